@@ -1,0 +1,54 @@
+"""Future importance and the budget-integrated eviction cost (PAPER.md), shared by the oracle, the
+training objective and the evaluation of rankings.
+
+c_i = sum over answer queries t of max over the KV head's query group of A_q[t, i]  (fp32 softmax)
+cost(sigma) = sum_k k * c_{sigma_k}: the attention mass evicted, summed over every budget b = 0..n-1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def future_importance(answer_queries: torch.Tensor, keys: torch.Tensor, n_prompt: int,
+                      query_positions: torch.Tensor | None = None, chunk: int = 64) -> torch.Tensor:
+    """c for the first n_prompt cached tokens, per KV head.
+
+    answer_queries: [q_heads, F, d] post-RoPE queries of the answer tokens; keys: [kv_heads, T, d] with
+    T >= the last query position + 1. query_positions [F] default: n_prompt .. n_prompt + F - 1.
+    Each query attends causally over keys[: position + 1]. Returns fp32 [kv_heads, n_prompt].
+    """
+    q_heads, f, d = answer_queries.shape
+    h, t, _ = keys.shape
+    if q_heads % h:
+        raise ValueError(f"{q_heads} query heads is not a multiple of {h} KV heads")
+    if query_positions is None:
+        query_positions = torch.arange(n_prompt, n_prompt + f, device=keys.device)
+    q = answer_queries.float().reshape(h, q_heads // h, f, d)
+    k = keys.float()
+    key_pos = torch.arange(t, device=keys.device)
+    total = torch.zeros(h, n_prompt, device=keys.device)
+    for start in range(0, f, chunk):  # bounded memory: [h, group, chunk, T]
+        qp = query_positions[start:start + chunk]
+        logits = torch.einsum("hgfd,htd->hgft", q[:, :, start:start + chunk], k) / d ** 0.5
+        logits = logits.masked_fill(key_pos[None, :] > qp[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)[..., :n_prompt]
+        total += probs.amax(dim=1).sum(dim=1)
+    return total
+
+
+def ranking_cost(ranking: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """cost(sigma) = sum_k k * c[sigma_k]; ranking, importance [..., n] -> [...]."""
+    ranks = torch.arange(ranking.shape[-1], device=ranking.device, dtype=torch.float32)
+    return (torch.gather(importance.float(), -1, ranking) * ranks).sum(-1)
+
+
+def oracle_cost(importance: torch.Tensor) -> torch.Tensor:
+    """The minimal cost: c sorted descending (rearrangement inequality)."""
+    ranks = torch.arange(importance.shape[-1], device=importance.device, dtype=torch.float32)
+    return (importance.float().sort(dim=-1, descending=True).values * ranks).sum(-1)
+
+
+def normalised_cost(ranking: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """cost / cost*: 1.0 = oracle, lower is better (the paper's reward is its negative)."""
+    return ranking_cost(ranking, importance) / oracle_cost(importance).clamp_min(1e-12)

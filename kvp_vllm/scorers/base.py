@@ -1,0 +1,125 @@
+"""The one scoring interface shared by the trainer, the evaluation harness and the server.
+
+A scoring rule looks at one layer's cache for one sequence and returns a score per KV head and
+cached token; higher means "more worth keeping". `kvp_vllm.selection.select_topb` then turns the
+scores into the kept indices. Every rule lives in its own file in this package and registers itself
+with `@register("name")`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, Optional, Type
+
+import torch
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache for one sequence, as the server sees it.
+
+    keys, values: [kv_heads, T, head_dim], keys post-RoPE (as cached).
+    positions:    [T] int64 logical token positions (0..T-1 before any eviction).
+    queries:      [q_heads, W, head_dim] the queries (post-RoPE) of the last W cached tokens, in order;
+                  only the query-aware rules (TOVA, SnapKV) need them. q_heads is a multiple of kv_heads
+                  (GQA: query head h belongs to KV head h // (q_heads // kv_heads)).
+    future_importance: [kv_heads, T] the true future attention mass c_i (oracle only).
+    layer:        the layer index (the learned policy has one scorer per layer and head).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: Optional[torch.Tensor] = None
+    future_importance: Optional[torch.Tensor] = None
+    layer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 3 or self.values.shape != self.keys.shape:
+            raise ValueError(
+                f"keys and values must both be [kv_heads, T, head_dim]; got {tuple(self.keys.shape)} "
+                f"and {tuple(self.values.shape)}"
+            )
+        if self.positions.shape != (self.keys.shape[1],):
+            raise ValueError(
+                f"positions must be [T]={self.keys.shape[1]}; got {tuple(self.positions.shape)}"
+            )
+        if self.queries is not None:
+            if self.queries.dim() != 3 or self.queries.shape[-1] != self.keys.shape[-1]:
+                raise ValueError(
+                    f"queries must be [q_heads, W, head_dim={self.keys.shape[-1]}]; "
+                    f"got {tuple(self.queries.shape)}"
+                )
+            if self.queries.shape[0] % self.keys.shape[0]:
+                raise ValueError(
+                    f"{self.queries.shape[0]} query heads is not a multiple of "
+                    f"{self.keys.shape[0]} KV heads"
+                )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[2]
+
+    def grouped_queries(self) -> torch.Tensor:
+        """Queries as [kv_heads, group, W, head_dim] so each KV head sees its own GQA group."""
+        if self.queries is None:
+            raise ValueError("this scoring rule needs the last queries; LayerKV.queries is None")
+        q_heads, w, d = self.queries.shape
+        return self.queries.reshape(self.num_kv_heads, q_heads // self.num_kv_heads, w, d)
+
+
+class Scorer:
+    """Base class of a scoring rule. Subclasses are dataclasses with typed, documented defaults."""
+
+    name: ClassVar[str] = ""
+    #: True when the rule needs `LayerKV.queries` (the server must capture them).
+    needs_queries: ClassVar[bool] = False
+    #: True for rules that look at the future (the oracle): evaluation only, never served.
+    evaluation_only: ClassVar[bool] = False
+
+    def score(self, kv: LayerKV) -> torch.Tensor:  # pragma: no cover - interface
+        """Return float32 scores [kv_heads, T]; higher = keep."""
+        raise NotImplementedError
+
+
+SCORERS: Dict[str, Type[Scorer]] = {}
+
+
+def register(name: str) -> Callable[[Type[Scorer]], Type[Scorer]]:
+    def wrap(cls: Type[Scorer]) -> Type[Scorer]:
+        if name in SCORERS:
+            raise ValueError(f"scoring rule {name!r} registered twice")
+        cls.name = name
+        SCORERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_scorer(name: str, **kwargs) -> Scorer:
+    """Build a scoring rule by its registered name, with a clear error for an unknown one."""
+    if name not in SCORERS:
+        raise ValueError(f"unknown eviction rule {name!r}; known rules: {', '.join(sorted(SCORERS))}")
+    return SCORERS[name](**kwargs)
+
+
+def attention_probs(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                    key_positions: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention in fp32.
+
+    queries [kv_heads, group, W, d], keys [kv_heads, T, d] -> probs [kv_heads, group, W, T].
+    A query at position p sees keys at positions <= p (the query's own token included).
+    """
+    d = keys.shape[-1]
+    logits = torch.einsum("hgwd,htd->hgwt", queries.float(), keys.float()) / d ** 0.5
+    visible = key_positions[None, :] <= query_positions[:, None]  # [W, T]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1)
