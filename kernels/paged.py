@@ -110,6 +110,9 @@ def gather_kv(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor
     k_view, v_view = key_value_views(kv_cache, layout)
     bs = k_view.shape[2]
     nblk = -(-int(seq_len) // bs)
+    if nblk > block_table_row.shape[0]:
+        raise ValueError(f"seq_len {seq_len} needs {nblk} blocks of {bs}; the block table row has "
+                         f"{block_table_row.shape[0]}")
     blocks = block_table_row[:nblk].to(kv_cache.device, torch.long)
     out = []
     for view in (k_view, v_view):

