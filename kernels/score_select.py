@@ -44,13 +44,6 @@ def _dot(x, w, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _load_w(ptr, IN: tl.constexpr, OUT: tl.constexpr):
-    i = tl.arange(0, IN)
-    o = tl.arange(0, OUT)
-    return tl.load(ptr + i[:, None] * OUT + o[None, :])
-
-
-@triton.jit
 def _layernorm(x, g_ptr, b_ptr, N: tl.constexpr, eps):
     mean = tl.sum(x, 1) / N
     xc = x - mean[:, None]
@@ -67,83 +60,126 @@ def _silu(x):
 
 
 @triton.jit
+def _scratch_linear(scratch, w_ptr, b_ptr, KIN: tl.constexpr, OUT: tl.constexpr, SW: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ W + b with x [BLOCK_T, KIN] read from the program's scratch tile in K-chunks of BK, so
+    only a [BK, OUT] weight slice is live at a time (W [KIN, OUT] row-major)."""
+    rows = tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, OUT)
+    acc = tl.zeros([BLOCK_T, OUT], dtype=tl.float32)
+    for k0 in tl.static_range(0, KIN, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < KIN
+        xa = tl.load(scratch + rows[:, None] * SW + kk[None, :], mask=km[None, :], other=0.0)
+        w = tl.load(w_ptr + kk[:, None] * OUT + cols[None, :], mask=km[:, None], other=0.0)
+        acc += _dot(xa, w, PRECISION)
+    return acc + tl.load(b_ptr + cols)[None, :]
+
+
+@triton.jit
+def _paged_linear(cache_ptr, base, tok_off, d_stride, mask_t, w_ptr, b_ptr, D: tl.constexpr,
+                  OUT: tl.constexpr, BLOCK_T: tl.constexpr, BK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """keys (or values) @ W + b, reading the cache tile straight from the pages in K-chunks."""
+    cols = tl.arange(0, OUT)
+    acc = tl.zeros([BLOCK_T, OUT], dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BK):
+        od = k0 + tl.arange(0, BK)
+        x = tl.load(cache_ptr + base + tok_off[:, None] + od[None, :] * d_stride,
+                    mask=mask_t[:, None], other=0.0)
+        w = tl.load(w_ptr + od[:, None] * OUT + cols[None, :])
+        acc += _dot(x, w, PRECISION)
+    return acc + tl.load(b_ptr + cols)[None, :]
+
+
+@triton.jit
 def _score_kernel(
-    cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr,
+    cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr, scratch_ptr,
     wk, bk, gk, betak, wv, bv, gv, betav, wp, bp, gp, betap, freqs_ptr,
     w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
     k_base, v_base, s_blk, s_head, k_st, k_sd, v_st, v_sd,
-    bt_stride, sc_sb, sc_sh, pos_stride, eps,
+    bt_stride, sc_sb, sc_sh, pos_stride, eps, n_tiles, tiles_per_req, num_heads,
     PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
     HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
-    DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, BK: tl.constexpr, SW: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    length = tl.load(lens_ptr + b)
-    t0 = pid_t * BLOCK_T
-    if t0 < length:
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < length
-        # ---- paged read: block table -> physical block, offset in block
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + offs_t // PAGE, mask=mask_t, other=0)
-        slab = blk.to(tl.int64) * s_blk + h * s_head
-        within = (offs_t % PAGE).to(tl.int64)
-        od = tl.arange(0, D)
-        keys = tl.load(cache_ptr + k_base + (slab + within * k_st)[:, None] + od[None, :] * k_sd,
-                       mask=mask_t[:, None], other=0.0)
-        vals = tl.load(cache_ptr + v_base + (slab + within * v_st)[:, None] + od[None, :] * v_sd,
-                       mask=mask_t[:, None], other=0.0)
-        # ---- position features (position_features in policy.py)
-        if HAS_POS:
-            pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride + offs_t, mask=mask_t, other=0)
-            pos = pos.to(tl.float32)
-            plen = tl.load(plen_ptr + b).to(tl.float32)
-        else:
-            pos = offs_t.to(tl.float32)
-            plen = length.to(tl.float32)
-        dist = (plen - 1.0) - pos
-        lp = tl.log(1.0 + tl.maximum(pos, 0.0))
-        ld = tl.log(1.0 + tl.maximum(dist, 0.0))
-        j = tl.arange(0, NPF_PAD)
-        s = j - 2
-        s2 = tl.where(s >= 2 * NFREQ, s - 2 * NFREQ, s)
-        s2 = tl.maximum(s2, 0)
-        which = s2 // NFREQ
-        fidx = s2 % NFREQ
-        freq = tl.load(freqs_ptr + fidx, mask=(j >= 2) & (j < NPF), other=0.0)
-        base = tl.where(which[None, :] == 0, lp[:, None], ld[:, None])
-        ang = base * freq[None, :]
-        trig = tl.where((s < 2 * NFREQ)[None, :], tl.sin(ang), tl.cos(ang))
-        raw = tl.where((j == 0)[None, :], lp[:, None], ld[:, None]) / 10.0
-        feats = tl.where((j < 2)[None, :], raw, trig)
-        feats = tl.where((j < NPF)[None, :], feats, 0.0)
-        # ---- input projections + LayerNorm
-        hk = _dot(keys, _load_w(wk + h * D * KD, D, KD), PRECISION)
-        hk = _layernorm(hk + tl.load(bk + h * KD + tl.arange(0, KD))[None, :],
-                        gk + h * KD, betak + h * KD, KD, eps)
-        hv = _dot(vals, _load_w(wv + h * D * VD, D, VD), PRECISION)
-        hv = _layernorm(hv + tl.load(bv + h * VD + tl.arange(0, VD))[None, :],
-                        gv + h * VD, betav + h * VD, VD, eps)
-        hp = _dot(feats, _load_w(wp + h * NPF_PAD * PD, NPF_PAD, PD), PRECISION)
-        hp = _layernorm(hp + tl.load(bp + h * PD + tl.arange(0, PD))[None, :],
-                        gp + h * PD, betap + h * PD, PD, eps)
-        # ---- first hidden layer on concat(k, v, p) as three partial products
-        w0h = w0 + h * (KD + VD + PD) * HD
-        x = _dot(hk, _load_w(w0h, KD, HD), PRECISION)
-        x += _dot(hv, _load_w(w0h + KD * HD, VD, HD), PRECISION)
-        x += _dot(hp, _load_w(w0h + (KD + VD) * HD, PD, HD), PRECISION)
-        x += tl.load(b0 + h * HD + tl.arange(0, HD))[None, :]
-        x = _silu(_layernorm(x, g0 + h * HD, beta0 + h * HD, HD, eps))
-        for i in tl.static_range(DEPTH - 1):
-            gi = h * (DEPTH - 1) + i
-            x = _dot(x, _load_w(wh + gi * HD * HD, HD, HD), PRECISION)
-            x += tl.load(bh + gi * HD + tl.arange(0, HD))[None, :]
-            x = _silu(_layernorm(x, gh + gi * HD, betah + gi * HD, HD, eps))
-        # ---- output projection
-        w_out = tl.load(wo + h * HD + tl.arange(0, HD))
-        score = tl.sum(x * w_out[None, :], 1) + tl.load(bo + h)
-        tl.store(scores_ptr + b.to(tl.int64) * sc_sb + h * sc_sh + offs_t, score, mask=mask_t)
+    """Persistent: program p scores tiles p, p + P, ... of the (request, head, token-tile) space.
+    The concat input of the first hidden layer and each hidden activation go through the program's
+    own [BLOCK_T, SW] fp32 scratch tile (L1/L2 resident) so every matmul runs in K-chunks."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_T * SW)
+    rows = tl.arange(0, BLOCK_T)
+    KIN0: tl.constexpr = KD + VD + PD
+    for tile in range(pid, n_tiles, nprog):
+        b = tile // (num_heads * tiles_per_req)
+        h = (tile // tiles_per_req) % num_heads
+        t0 = (tile % tiles_per_req) * BLOCK_T
+        length = tl.load(lens_ptr + b)
+        if t0 < length:
+            offs_t = t0 + rows
+            mask_t = offs_t < length
+            # ---- paged read: block table -> physical block, offset in block
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + offs_t // PAGE, mask=mask_t, other=0)
+            slab = blk.to(tl.int64) * s_blk + h * s_head
+            within = (offs_t % PAGE).to(tl.int64)
+            # ---- position features (position_features in policy.py)
+            if HAS_POS:
+                pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride + offs_t, mask=mask_t, other=0)
+                pos = pos.to(tl.float32)
+                plen = tl.load(plen_ptr + b).to(tl.float32)
+            else:
+                pos = offs_t.to(tl.float32)
+                plen = length.to(tl.float32)
+            dist = (plen - 1.0) - pos
+            lp = tl.log(1.0 + tl.maximum(pos, 0.0))
+            ld = tl.log(1.0 + tl.maximum(dist, 0.0))
+            j = tl.arange(0, NPF_PAD)
+            s = j - 2
+            s2 = tl.where(s >= 2 * NFREQ, s - 2 * NFREQ, s)
+            s2 = tl.maximum(s2, 0)
+            which = s2 // NFREQ
+            fidx = s2 % NFREQ
+            freq = tl.load(freqs_ptr + fidx, mask=(j >= 2) & (j < NPF), other=0.0)
+            base = tl.where(which[None, :] == 0, lp[:, None], ld[:, None])
+            ang = base * freq[None, :]
+            trig = tl.where((s < 2 * NFREQ)[None, :], tl.sin(ang), tl.cos(ang))
+            raw = tl.where((j == 0)[None, :], lp[:, None], ld[:, None]) / 10.0
+            feats = tl.where((j < 2)[None, :], raw, trig)
+            feats = tl.where((j < NPF)[None, :], feats, 0.0)
+            # ---- input projections + LayerNorm -> scratch columns [k | v | p] (the concat)
+            hk = _paged_linear(cache_ptr, k_base, slab + within * k_st, k_sd, mask_t,
+                               wk + h * D * KD, bk + h * KD, D, KD, BLOCK_T, BK, PRECISION)
+            hk = _layernorm(hk, gk + h * KD, betak + h * KD, KD, eps)
+            hv = _paged_linear(cache_ptr, v_base, slab + within * v_st, v_sd, mask_t,
+                               wv + h * D * VD, bv + h * VD, D, VD, BLOCK_T, BK, PRECISION)
+            hv = _layernorm(hv, gv + h * VD, betav + h * VD, VD, eps)
+            pcols = tl.arange(0, PD)
+            wpt = tl.load(wp + h * NPF_PAD * PD + j[:, None] * PD + pcols[None, :])
+            hp = _dot(feats, wpt, PRECISION) + tl.load(bp + h * PD + pcols)[None, :]
+            hp = _layernorm(hp, gp + h * PD, betap + h * PD, PD, eps)
+            tl.debug_barrier()  # the previous tile's reads of the scratch tile are done
+            tl.store(scratch + rows[:, None] * SW + tl.arange(0, KD)[None, :], hk)
+            tl.store(scratch + rows[:, None] * SW + KD + tl.arange(0, VD)[None, :], hv)
+            tl.store(scratch + rows[:, None] * SW + KD + VD + pcols[None, :], hp)
+            tl.debug_barrier()
+            # ---- hidden layers
+            x = _scratch_linear(scratch, w0 + h * KIN0 * HD, b0 + h * HD, KIN0, HD, SW, BLOCK_T, BK,
+                                PRECISION)
+            x = _silu(_layernorm(x, g0 + h * HD, beta0 + h * HD, HD, eps))
+            for i in tl.static_range(DEPTH - 1):
+                gi = h * (DEPTH - 1) + i
+                tl.debug_barrier()
+                tl.store(scratch + rows[:, None] * SW + tl.arange(0, HD)[None, :], x)
+                tl.debug_barrier()
+                x = _scratch_linear(scratch, wh + gi * HD * HD, bh + gi * HD, HD, HD, SW, BLOCK_T,
+                                    BK, PRECISION)
+                x = _silu(_layernorm(x, gh + gi * HD, betah + gi * HD, HD, eps))
+            # ---- output projection
+            w_out = tl.load(wo + h * HD + tl.arange(0, HD))
+            score = tl.sum(x * w_out[None, :], 1) + tl.load(bo + h)
+            tl.store(scores_ptr + b.to(tl.int64) * sc_sb + h * sc_sh + offs_t, score, mask=mask_t)
 
 
 @triton.jit
@@ -221,20 +257,26 @@ def default_precision(device: torch.device) -> str:
 
 
 def _block_t(p: PackedLayer, d: int) -> int:
-    if INTERPRET:
-        return 64  # the interpreter's cost is per program: few, large tiles
-    widest = max(p.wk.shape[2], p.w0.shape[2], d)
-    return 32 if widest >= 256 else 64
+    return 64  # interpreter: its cost is per program, so few large tiles; GPU: 64-row MMA tiles
 
 
 def _num_warps(p: PackedLayer) -> int:
     return 8 if p.w0.shape[2] >= 256 else 4
 
 
+def _num_programs(n_tiles: int, device: torch.device) -> int:
+    if INTERPRET or device.type != "cuda":
+        return max(1, min(n_tiles, 8))  # > 1 tile per program exercises the persistent loop
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, 2 * sms))
+
+
 def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_len: int, positions: Optional[torch.Tensor] = None,
                  position_lengths: Optional[torch.Tensor] = None, precision: Optional[str] = None,
-                 out: Optional[torch.Tensor] = None, block_t: Optional[int] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
+                 block_k: int = 32, num_warps: Optional[int] = None,
+                 num_programs: Optional[int] = None) -> torch.Tensor:
     """Scores [B, H, max_len] fp32 of every cached token (positions past a request's length are not
     written). seq_lens int32 on the cache's device."""
     g = cache_geometry(kv_cache, layout)
@@ -256,17 +298,23 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
     has_pos = positions is not None
     pos = positions if has_pos else seq_lens
     plen = position_lengths if position_lengths is not None else seq_lens
-    grid = (triton.cdiv(max_len, bt), h, bsz)
-    _score_kernel[grid](
-        kv_cache, block_tables, seq_lens, pos, plen, out,
+    tiles_per_req = triton.cdiv(max_len, bt)
+    n_tiles = tiles_per_req * h * bsz
+    nprog = num_programs or _num_programs(n_tiles, kv_cache.device)
+    bk = min(block_k, d)
+    sw = max(kd + vd + pd, hd)
+    scratch = torch.empty(nprog * bt * sw, device=kv_cache.device, dtype=torch.float32)
+    _score_kernel[(nprog,)](
+        kv_cache, block_tables, seq_lens, pos, plen, out, scratch,
         p.wk, p.bk, p.gk, p.betak, p.wv, p.bv, p.gv, p.betav, p.wp, p.bp, p.gp, p.betap, p.freqs,
         p.w0, p.b0, p.g0, p.beta0, p.wh, p.bh, p.gh, p.betah, p.wo, p.bo,
         g.key.base - kv_cache.storage_offset(), g.value.base - kv_cache.storage_offset(),
         g.key.block, g.key.head, g.key.token, g.key.dim, g.value.token, g.value.dim,
         block_tables.stride(0), out.stride(0), out.stride(1), pos.stride(0) if has_pos else 0, p.eps,
+        n_tiles, tiles_per_req, h,
         PAGE=g.block_size, D=d, KD=kd, VD=vd, PD=pd, HD=hd, NPF=p.num_features,
-        NPF_PAD=p.wp.shape[1], NFREQ=p.freqs.numel(), DEPTH=p.depth, BLOCK_T=bt, HAS_POS=has_pos,
-        PRECISION=precision, num_warps=_num_warps(p),
+        NPF_PAD=p.wp.shape[1], NFREQ=p.freqs.numel(), DEPTH=p.depth, BLOCK_T=bt, BK=bk, SW=sw,
+        HAS_POS=has_pos, PRECISION=precision, num_warps=num_warps or _num_warps(p),
     )
     return out
 
