@@ -1,0 +1,322 @@
+"""Trace collection (`kvp-train collect`): run a Hugging Face causal LM on prompts plus its own greedy
+answer, and store per layer and KV head what training and evaluation need:
+
+  keys, values   [kv_heads, n, d]    post-RoPE, of the n prompt tokens (bf16)
+  importance     [kv_heads, n]       future importance c_i = sum over the answer's queries of the max over
+                                     the KV head's GQA query group of the causal softmax attention (fp32),
+                                     computed here so the answer queries need not be stored
+  window_queries [q_heads, W, d]     post-RoPE queries of the last W prompt tokens (bf16), only so the
+                                     query-aware baselines (TOVA, SnapKV) can be evaluated on the traces
+
+Layout: <out>/manifest.json and <out>/layer_LL/shard_SSSSS.safetensors (one file per layer and shard of
+traces; tensor names "<trace_id>.<field>"), so training can stream one layer's data. Each shard's files
+are written under temporary names, renamed, and only then recorded (with sha256 and size) in the
+manifest, itself replaced atomically: an interrupted run resumes at the first unrecorded shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..assets import sha256_file
+from ..importance import future_importance
+from ..policy import ModelShape
+from . import prompts
+
+MANIFEST = "manifest.json"
+TRACE_FORMAT = 1
+FIELDS = ("keys", "values", "importance", "window_queries")
+
+
+class TraceError(ValueError):
+    """A trace folder is missing, corrupt, incomplete, or from another model."""
+
+
+@dataclass
+class CollectConfig:
+    model: str = "smollm2"
+    lengths: Sequence[int] = (512, 1024, 1536, 2048)
+    num_traces: int = 160
+    answer_tokens: int = 48
+    window: int = 64                     # queries kept for TOVA/SnapKV evaluation
+    tasks: Sequence[str] = prompts.DEFAULT_MIX
+    seed: int = prompts.TRAIN_SEED_BASE  # trace i uses seed + i
+    traces_per_shard: int = 8
+    max_disk_gb: float = 10.0
+    dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU (faster there)
+    device: str = "cpu"
+
+
+def resolve_model(name: str) -> Path:
+    """'smollm2', a tiny test model name, or a local Hugging Face model folder."""
+    from ..assets import TINY_SHAPES, smollm2_path, tiny_model_path
+
+    if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
+        return smollm2_path()
+    if name in TINY_SHAPES:
+        return tiny_model_path(name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise TraceError(f"unknown model {name!r}: not 'smollm2', not a tiny test model "
+                         f"({', '.join(TINY_SHAPES)}), and not a folder with a config.json")
+    return path
+
+
+def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure here means "not a usable model folder"
+        raise TraceError(f"{path} is not a Hugging Face model folder: {e}") from e
+    if dtype == "auto":
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - test models are saved without a tokenizer
+        tokenizer = prompts.ByteTokenizer(config.vocab_size)
+    name = Path(getattr(config, "name_or_path", "") or path.name).name or path.name
+    name = name[:-5] if name.endswith("-bf16") else name
+    return model, tokenizer, ModelShape.from_hf_config(config, name)
+
+
+def plan(cfg: CollectConfig) -> List[dict]:
+    """The deterministic list of traces: id, task, target length, seed."""
+    out = []
+    for i in range(cfg.num_traces):
+        length = cfg.lengths[i % len(cfg.lengths)]
+        task = cfg.tasks[(i // len(cfg.lengths)) % len(cfg.tasks)]
+        out.append({"id": f"t{i:05d}", "task": task, "target_tokens": int(length), "seed": cfg.seed + i})
+    return out
+
+
+@torch.no_grad()
+def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int) -> dict:
+    """One trace: prefill the prompt (capturing the last `window` queries), decode greedily, capturing
+    each answer token's queries, then compute the future importance per layer."""
+    from ..capture import forward_capture
+
+    ids = prompts.encode(tokenizer, prompts.make_messages(item["task"], item["target_tokens"],
+                                                          item["seed"]), item["target_tokens"])
+    n = len(ids)
+    device = next(model.parameters()).device
+    pre = forward_capture(model, torch.tensor([ids], device=device), query_last=window)
+    keys = [k.clone() for k in pre.keys]        # prompt keys/values (the cache grows in place later)
+    values = [v.clone() for v in pre.values]
+    wq = [q.clone() for q in pre.queries]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    answer, answer_q = [], [[] for _ in keys]
+    cache, logits = pre.cache, pre.logits
+    for _ in range(answer_tokens):
+        tok = int(logits[0, -1].float().argmax())
+        answer.append(tok)
+        step = forward_capture(model, torch.tensor([[tok]], device=device), cache=cache,
+                               query_last=1)
+        for l, q in enumerate(step.queries):
+            answer_q[l].append(q)
+        cache, logits = step.cache, step.logits
+        if eos is not None and tok == eos:
+            break
+    full_keys = step.keys
+    out = {"n_prompt": n, "n_answer": len(answer), "answer": answer,
+           "layers": []}
+    for l in range(len(keys)):
+        q = torch.cat(answer_q[l], dim=1)  # [q_heads, F, d]
+        c = future_importance(q, full_keys[l], n)
+        out["layers"].append({"keys": keys[l].to(torch.bfloat16).cpu(),
+                              "values": values[l].to(torch.bfloat16).cpu(), "importance": c.float().cpu(),
+                              "window_queries": wq[l].to(torch.bfloat16).cpu()})
+    return out
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _config_key(cfg: dict) -> dict:
+    """Settings that must match to resume into an existing folder."""
+    return {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed",
+                                    "traces_per_shard")}
+
+
+def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -> Path:
+    """Collect (or resume) a trace folder. Returns the folder."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    if cfg.answer_tokens < 1 or cfg.num_traces < 1 or min(cfg.lengths) < 32:
+        raise TraceError("need answer_tokens >= 1, num_traces >= 1 and every length >= 32")
+    for t in cfg.tasks:
+        if t not in prompts.TASKS:
+            raise TraceError(f"unknown prompt task {t!r}; known: {', '.join(prompts.TASKS)}")
+    model_path = resolve_model(cfg.model)  # fails before anything is written
+    out = Path(out).expanduser()
+    manifest_path = out / MANIFEST
+    cfg_dict = {k: (list(v) if isinstance(v, (tuple, list)) else v) for k, v in asdict(cfg).items()}
+    model, tokenizer, shape = load_model(model_path, cfg.dtype, cfg.device)
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("shape") != asdict(shape) and \
+                (manifest["shape"]["num_layers"], manifest["shape"]["num_kv_heads"],
+                 manifest["shape"]["head_dim"]) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+            raise TraceError(f"{out} holds traces of {manifest['shape'].get('model_name')!r}, not of "
+                             f"{shape.model_name!r}: use another --out folder")
+        if _config_key(manifest["config"]) != _config_key(cfg_dict):
+            raise TraceError(f"{out} was collected with other settings {_config_key(manifest['config'])}; "
+                             f"resume with the same settings or use another --out folder")
+        manifest["config"]["num_traces"] = max(cfg.num_traces, manifest["config"]["num_traces"])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        if any(out.iterdir()):
+            raise TraceError(f"{out} is not empty and has no {MANIFEST}; refusing to write into it")
+        manifest = {"format": TRACE_FORMAT, "model": shape.model_name, "model_path": str(model_path),
+                    "shape": asdict(shape), "config": cfg_dict,
+                    "prompt_generator": "kvp_vllm.training.prompts (eval harness absent at build time)",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "shards": [], "traces": {}}
+        _write_json_atomic(manifest_path, manifest)
+    items = plan(cfg)
+    per = cfg.traces_per_shard
+    shards = [items[i:i + per] for i in range(0, len(items), per)]
+    done = {s["shard"] for s in manifest["shards"]}
+    used = sum(f["bytes"] for s in manifest["shards"] for f in s["files"].values())
+    bar = tqdm(total=len(items), initial=sum(len(shards[i]) for i in done if i < len(shards)),
+               desc="traces", unit="trace", disable=not progress)
+    for s, batch in enumerate(shards):
+        if s in done:
+            continue
+        if used > cfg.max_disk_gb * 2**30:
+            bar.write(f"[kvp-train] stopping: {used / 2**30:.2f} GB written, limit {cfg.max_disk_gb} GB")
+            break
+        traces = []
+        for item in batch:
+            traces.append((item, collect_one(model, tokenizer, item, cfg.answer_tokens, cfg.window)))
+            bar.update(1)
+        files, staged = {}, []
+        try:
+            for l in range(shape.num_layers):
+                layer_dir = out / f"layer_{l:02d}"
+                layer_dir.mkdir(exist_ok=True)
+                tensors = {f"{item['id']}.{k}": tr["layers"][l][k].contiguous()
+                           for item, tr in traces for k in FIELDS}
+                fd, tmp = tempfile.mkstemp(dir=layer_dir, prefix=".shard-", suffix=".tmp")
+                os.close(fd)
+                save_file(tensors, tmp, metadata={"format": "kvp-traces", "layer": str(l)})
+                staged.append((Path(tmp), layer_dir / f"shard_{s:05d}.safetensors"))
+            for tmp, final in staged:
+                os.replace(tmp, final)
+                files[str(int(final.parent.name[6:]))] = {"name": f"{final.parent.name}/{final.name}",
+                                                         "sha256": sha256_file(final),
+                                                         "bytes": final.stat().st_size}
+        finally:
+            for tmp, _ in staged:
+                if tmp.exists():
+                    tmp.unlink()
+        for item, tr in traces:
+            manifest["traces"][item["id"]] = {**item, "shard": s, "n_prompt": tr["n_prompt"],
+                                              "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
+                                              "answer": tokenizer.decode(tr["answer"])}
+        manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})
+        used += sum(f["bytes"] for f in files.values())
+        manifest["bytes"] = used
+        _write_json_atomic(manifest_path, manifest)
+    bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading traces
+
+
+class TraceSet:
+    """A collected trace folder, read lazily (one layer's shard at a time, memory-mapped)."""
+
+    def __init__(self, folder: str | os.PathLike, verify: bool = True):
+        self.folder = Path(folder).expanduser()
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise TraceError(f"{self.folder} is not a trace folder (no {MANIFEST}); run `kvp-train "
+                             f"collect` first")
+        try:
+            self.manifest = json.loads(path.read_text())
+            s = self.manifest["shape"]
+            self.shape = ModelShape(s["num_layers"], s["num_kv_heads"], s["head_dim"], s["model_name"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise TraceError(f"{path} is not a valid trace manifest: {e}") from e
+        if self.manifest.get("format") != TRACE_FORMAT:
+            raise TraceError(f"{path}: trace format {self.manifest.get('format')!r}, expected {TRACE_FORMAT}")
+        if not self.manifest["shards"]:
+            raise TraceError(f"{self.folder} holds no complete shard yet")
+        self.verify = verify
+        self._verified: set = set()
+        self._handles: Dict[str, object] = {}
+        self._shard_of = {tid: meta["shard"] for tid, meta in self.manifest["traces"].items()}
+        self._files = {s["shard"]: s["files"] for s in self.manifest["shards"]}
+        self.trace_ids = sorted(tid for tid in self._shard_of if self._shard_of[tid] in self._files)
+
+    def check_model(self, shape: ModelShape) -> None:
+        got = (self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        if got != want:
+            raise TraceError(f"traces in {self.folder} come from {self.shape.model_name!r} "
+                             f"(layers, kv_heads, head_dim)={got}, but the policy/model is "
+                             f"{shape.model_name!r} {want}")
+
+    def meta(self, tid: str) -> dict:
+        return self.manifest["traces"][tid]
+
+    def _open(self, layer: int, shard: int):
+        from safetensors import SafetensorError, safe_open
+
+        info = self._files[shard].get(str(layer))
+        if info is None:
+            raise TraceError(f"shard {shard} of {self.folder} has no file for layer {layer}")
+        path = self.folder / info["name"]
+        key = info["name"]
+        if key in self._handles:
+            return self._handles[key]
+        if not path.is_file():
+            raise TraceError(f"trace shard {path} is missing")
+        size = path.stat().st_size
+        if size == 0 or size != info["bytes"]:
+            raise TraceError(f"trace shard {path} is empty or truncated ({size} bytes, "
+                             f"manifest says {info['bytes']})")
+        if self.verify and key not in self._verified:
+            if sha256_file(path) != info["sha256"]:
+                raise TraceError(f"trace shard {path} is corrupt (sha256 does not match the manifest)")
+            self._verified.add(key)
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, Exception) as e:  # noqa: BLE001
+            raise TraceError(f"trace shard {path} cannot be read: {e}") from e
+        self._handles[key] = handle
+        return handle
+
+    def load(self, tid: str, layer: int, fields: Sequence[str] = FIELDS) -> Dict[str, torch.Tensor]:
+        handle = self._open(layer, self._shard_of[tid])
+        try:
+            return {f: handle.get_tensor(f"{tid}.{f}") for f in fields}
+        except Exception as e:  # noqa: BLE001
+            raise TraceError(f"trace {tid} layer {layer} cannot be read from {self.folder}: {e}") from e
+
+    def split(self, name: str) -> List[str]:
+        """Deterministic split by trace index: every 8th trace (index % 8 == 0) is 'test', index % 8
+        == 4 is 'val' (model selection), the rest 'train'."""
+        def which(tid):
+            i = int(tid[1:])
+            return "test" if i % 8 == 0 else "val" if i % 8 == 4 else "train"
+        if name == "all":
+            return list(self.trace_ids)
+        return [t for t in self.trace_ids if which(t) == name]

@@ -1,0 +1,122 @@
+"""Trace collection: layout, the stored future importance, resume, and bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvp_vllm.assets import tiny_model
+from kvp_vllm.capture import forward_capture
+from kvp_vllm.importance import future_importance
+from kvp_vllm.training import prompts
+from kvp_vllm.training.collect import (MANIFEST, CollectConfig, TraceError, TraceSet, collect, load_model,
+                                       resolve_model)
+
+
+def test_layout_and_manifest(tiny_traces):
+    ts = TraceSet(tiny_traces)
+    m = ts.manifest
+    assert (ts.shape.num_layers, ts.shape.num_kv_heads, ts.shape.head_dim) == (3, 2, 16)
+    assert m["config"]["lengths"] == [64, 96] and m["config"]["seed"] == prompts.TRAIN_SEED_BASE
+    assert len(m["shards"]) == 4 and len(ts.trace_ids) == 16
+    assert sorted(p.name for p in tiny_traces.iterdir()) == ["layer_00", "layer_01", "layer_02", MANIFEST]
+    assert len(ts.split("test")) == 2 and len(ts.split("val")) == 2 and len(ts.split("train")) == 12
+    d = ts.load("t00003", 1)
+    n = m["traces"]["t00003"]["n_prompt"]
+    assert d["keys"].shape == (2, n, 16) and d["keys"].dtype == torch.bfloat16
+    assert d["importance"].shape == (2, n) and d["importance"].dtype == torch.float32
+    assert d["window_queries"].shape == (4, 16, 16)
+    assert {t["task"] for t in m["traces"].values()} >= {"needle", "essay_qa"}
+
+
+def test_stored_importance_matches_a_full_forward(tiny_traces):
+    """c from the step-by-step greedy decode equals c from one forward of prompt + answer."""
+    ts = TraceSet(tiny_traces)
+    model, tok, _ = load_model(resolve_model("tiny-llama"))
+    meta = ts.meta("t00005")
+    ids = prompts.encode(tok, prompts.make_messages(meta["task"], meta["target_tokens"], meta["seed"]),
+                         meta["target_tokens"])
+    assert len(ids) == meta["n_prompt"]
+    assert len(meta["answer_ids"]) == meta["n_answer"]
+    full = torch.tensor([ids + meta["answer_ids"]])
+    f = meta["n_answer"]
+    cap = forward_capture(model, full, query_last=f)
+    for layer in range(3):
+        # queries of the answer tokens = inputs at positions n .. n+f-1 = the last f inputs of `full`
+        c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
+        stored = ts.load("t00005", layer)["importance"]
+        assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+        assert torch.allclose(ts.load("t00005", layer)["keys"].float(),
+                              cap.keys[layer][:, :meta["n_prompt"]], atol=0.05)
+
+
+def test_resume_adds_shards_without_rewriting(tmp_path):
+    cfg = CollectConfig(model="tiny-llama", lengths=(48,), num_traces=4, answer_tokens=2, window=8,
+                        traces_per_shard=2)
+    out = collect(cfg, tmp_path / "t", progress=False)
+    before = (out / "layer_00" / "shard_00000.safetensors").stat().st_mtime_ns
+    cfg.num_traces = 6
+    collect(cfg, out, progress=False)
+    ts = TraceSet(out)
+    assert len(ts.trace_ids) == 6
+    assert (out / "layer_00" / "shard_00000.safetensors").stat().st_mtime_ns == before
+    cfg.answer_tokens = 3  # other settings: refuse to mix
+    with pytest.raises(TraceError, match="other settings"):
+        collect(cfg, out, progress=False)
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_bad_inputs(tiny_traces, tmp_path):
+    with pytest.raises(TraceError, match="unknown model"):
+        collect(CollectConfig(model=str(tmp_path / "nope")), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()  # nothing half-written
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "f").write_text("x")
+    with pytest.raises(TraceError, match="not empty"):
+        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1),
+                tmp_path / "busy", progress=False)
+    with pytest.raises(TraceError, match="not a trace folder"):
+        TraceSet(tmp_path)
+    # traces from another model
+    with pytest.raises(TraceError, match="other settings|holds traces"):
+        collect(CollectConfig(model="tiny-qwen2", lengths=(64, 96), num_traces=16, answer_tokens=6,
+                              window=16, traces_per_shard=4), tiny_traces, progress=False)
+    from kvp_vllm.policy import ModelShape
+    with pytest.raises(TraceError, match="come from"):
+        TraceSet(tiny_traces).check_model(ModelShape(30, 3, 64, "SmolLM2"))
+    # corrupt and empty shards
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_traces, bad)
+    shard = bad / "layer_01" / "shard_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="corrupt"):
+        TraceSet(bad).load("t00000", 1)
+    shard.write_bytes(b"")
+    with pytest.raises(TraceError, match="empty or truncated"):
+        TraceSet(bad).load("t00000", 1)
+    (bad / MANIFEST).write_text("{not json")
+    with pytest.raises(TraceError, match="not a valid trace manifest"):
+        TraceSet(bad)
+
+
+def test_real_model_collection_smoke(tmp_path):
+    """One short SmolLM2 trace (skipped when the converted model is not available)."""
+    from kvp_vllm.assets import AssetError, smollm2_path
+
+    try:
+        smollm2_path()
+    except (AssetError, Exception) as e:  # noqa: BLE001
+        pytest.skip(f"SmolLM2 not available: {e}")
+    torch.set_num_threads(1)
+    out = collect(CollectConfig(model="smollm2", lengths=(96,), num_traces=1, answer_tokens=2, window=8,
+                                tasks=("needle",)), tmp_path / "s", progress=False)
+    ts = TraceSet(out)
+    assert (ts.shape.num_layers, ts.shape.num_kv_heads, ts.shape.head_dim) == (30, 3, 64)
+    assert ts.shape.model_name == "SmolLM2-135M-Instruct"
+    d = ts.load("t00000", 29)
+    n = ts.meta("t00000")["n_prompt"]
+    assert d["keys"].shape == (3, n, 64) and torch.isfinite(d["importance"]).all()
+    assert 0 < float(d["importance"].sum(1).max()) <= 2.0 + 1e-3  # <= 1 per answer query
