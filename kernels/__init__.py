@@ -106,7 +106,8 @@ def paged_score_select(policy, layer: int, kv_cache: torch.Tensor, layout: str,
         if backend_for(kv_cache, backend) == "triton":
             from .score_select import score_select_triton
 
-            packed = packed_layer(policy, layer, kv_cache.device)
+            wdtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            packed = packed_layer(policy, layer, kv_cache.device, wdtype)
             return score_select_triton(policy, layer, kv_cache, layout, block_tables, seq_lens,
                                        budgets, n_sink, n_recent, positions, position_lengths,
                                        return_scores, packed=packed, precision=precision)

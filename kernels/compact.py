@@ -67,7 +67,7 @@ def _compact_kernel(cache_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
 
 
 def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor, seq_lens,
-                   kept: torch.Tensor, counts, chunk: int = 0) -> list:
+                   kept: torch.Tensor, counts, chunk: int = 0, num_warps: int = 0) -> list:
     """Tail-pack every request in one launch: kept [B, H, >=max b'] (ascending per head, int),
     counts [B] (b' per request). Returns the number of freed leading blocks per request."""
     g = cache_geometry(kv_cache, layout)
@@ -89,12 +89,12 @@ def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tens
     bt = block_tables.to(device=dev, dtype=torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     cnts_t = torch.tensor(cnts, dtype=torch.int32, device=dev)
-    chunk = chunk or (16 if INTERPRET else 64)
+    chunk = chunk or (16 if INTERPRET else 128)
     off = kv_cache.storage_offset()
     _compact_kernel[(g.num_kv_heads, len(lens))](
         kv_cache, bt, lens_t, cnts_t, kept_d,
         g.key.base - off, g.value.base - off, g.key.block, g.key.head, g.key.token, g.key.dim,
         g.value.token, g.value.dim, bt.stride(0), kept_d.stride(0), kept_d.stride(1),
-        PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, num_warps=4,
+        PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, num_warps=num_warps or (1 if INTERPRET else 8),
     )
     return [(length - cnt) // g.block_size if cnt < length else 0 for length, cnt in zip(lens, cnts)]

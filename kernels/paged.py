@@ -116,9 +116,8 @@ def gather_kv(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor
     blocks = block_table_row[:nblk].to(kv_cache.device, torch.long)
     out = []
     for view in (k_view, v_view):
-        x = view[blocks]                                   # [nblk, H, bs, d]
-        x = x.permute(1, 0, 2, 3).reshape(x.shape[1], nblk * bs, x.shape[3])
-        out.append(x[:, :seq_len])
+        x = view.permute(1, 0, 2, 3)[:, blocks]             # [H, nblk, bs, d], one copy
+        out.append(x.reshape(x.shape[0], nblk * bs, x.shape[3])[:, :seq_len])
     return out[0], out[1]
 
 

@@ -321,15 +321,17 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
 
 def select_triton(scores: torch.Tensor, seq_lens: torch.Tensor, counts: torch.Tensor, width: int,
                   n_sink: int, n_recent: int, out: Optional[torch.Tensor] = None,
-                  block: Optional[int] = None) -> torch.Tensor:
+                  block: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
     """kept [B, H, width] int32 from scores [B, H, >=max_len]; entries past each count are -1."""
     bsz, h, _ = scores.shape
     if out is None:
         out = torch.full((bsz, h, width), PAD, device=scores.device, dtype=torch.int32)
-    blk = block or (256 if INTERPRET else 1024)
+    # one program per (request, head) walks its row 5 times (4 radix passes + compaction): large
+    # chunks keep the number of dependent L2 round trips small
+    blk = block or (256 if INTERPRET else 2048)
     _select_kernel[(h, bsz)](scores, seq_lens, counts, out, scores.stride(0), scores.stride(1),
                              out.stride(0), out.stride(1), n_sink, n_recent, BLOCK=blk,
-                             num_warps=1 if INTERPRET else 8)
+                             num_warps=1 if INTERPRET else (num_warps or 8))
     return out
 
 
