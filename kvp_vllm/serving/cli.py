@@ -39,8 +39,6 @@ def _prepare_environment() -> None:
         folder = tempfile.mkdtemp(prefix="kvp-vllm-prom-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
         atexit.register(shutil.rmtree, folder, True)
-    # Fork keeps the hooks the CLI installed even where the entry point is not installed.
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
 
 
 def _hf_config(model: str):
@@ -55,8 +53,8 @@ def _hf_config(model: str):
 def build_config(args) -> EvictionConfig:
     rule = args.kv_eviction
     checkpoint = None
-    if args.kvp_checkpoint and rule != "kvp":
-        raise CLIError("--kvp-checkpoint only applies to --kv-eviction kvp")
+    if args.kvp_checkpoint and rule == "none":
+        raise CLIError("--kvp-checkpoint needs KV eviction (--kv-eviction RULE)")
     model = getattr(args, "model_tag", None) or args.model
     hf = _hf_config(model) if rule != "none" else None
     if hf is not None:
@@ -68,7 +66,7 @@ def build_config(args) -> EvictionConfig:
                            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
             raise CLIError("KV eviction does not support sliding-window / hybrid attention models")
-    if rule == "kvp":
+    if rule == "kvp" or args.kvp_checkpoint:  # with another rule: kvp is a per-request option
         try:
             checkpoint = resolve_checkpoint(model, args.kvp_checkpoint)
         except FileNotFoundError as e:
@@ -88,6 +86,17 @@ def build_config(args) -> EvictionConfig:
         raise CLIError(str(e)) from None
 
 
+def check_plugin_entry_point() -> None:
+    """vLLM starts its engine and worker processes with spawn on CPU: they get our hooks only
+    through the `vllm.general_plugins` entry point. Without it eviction would silently not happen."""
+    from importlib.metadata import entry_points
+
+    values = [e.value for e in entry_points(group="vllm.general_plugins")]
+    if "kvp_vllm.serving.plugin:register" not in values:
+        raise CLIError("the kvp-vllm vLLM plugin is not installed (entry point vllm.general_plugins: "
+                       "kvp_vllm = kvp_vllm.serving.plugin:register); reinstall with `pip install -e .`")
+
+
 def add_eviction_args(parser) -> None:
     group = parser.add_argument_group("KV eviction (kvp-vllm)")
     group.add_argument("--kv-eviction", default="none", choices=CLI_RULES,
@@ -98,10 +107,34 @@ def add_eviction_args(parser) -> None:
                             "up to budget + block_size - 1); requests override it with "
                             "vllm_xargs={\"kv_budget\": N} (0 or \"none\" = no eviction)")
     group.add_argument("--kvp-checkpoint", default=None,
-                       help="KVP policy folder (config.json + policy.safetensors); default: the one "
-                            "shipped for the served model")
+                       help="KVP policy folder (config.json + policy.safetensors); default with "
+                            "--kv-eviction kvp: the one shipped for the served model. With another "
+                            "rule it makes vllm_xargs={\"kv_rule\": \"kvp\"} available per request")
     group.add_argument("--kv-evict-interval", type=int, default=64,
                        help="during decoding, compact again once a request holds budget + M tokens")
+
+
+def _model_arg(argv: Sequence[str]) -> str:
+    if len(argv) > 1 and not argv[1].startswith("-"):
+        return argv[1]
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    raise CLIError("no model given: kvp-vllm serve MODEL ...")
+
+
+def _early_config(argv: Sequence[str]) -> EvictionConfig:
+    """Our flags, checked before vLLM is imported (a bad flag fails in a second, not a minute)."""
+    import argparse
+
+    pre = argparse.ArgumentParser(prog="kvp-vllm serve", add_help=False, usage=USAGE)
+    add_eviction_args(pre)
+    ours, _ = pre.parse_known_args(argv[1:])
+    ours.model = _model_arg(argv)
+    ours.model_tag = None
+    return build_config(ours)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -112,6 +145,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[0] != "serve":
         print(f"kvp-vllm: unknown command {argv[0]!r}\nusage: {USAGE}", file=sys.stderr)
         return 2
+    cfg = EvictionConfig()
+    if "-h" not in argv and "--help" not in argv and not any(a.startswith("--help=") for a in argv):
+        try:
+            cfg = _early_config(argv)
+            if cfg.enabled:
+                check_plugin_entry_point()
+        except CLIError as e:
+            print(f"kvp-vllm: error: {e}", file=sys.stderr)
+            return 2
     _prepare_environment()
 
     from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -122,13 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve = ServeSubcommand()
     serve_parser = serve.subparser_init(subparsers)
     serve_parser.usage = USAGE
-    add_eviction_args(serve_parser)
+    add_eviction_args(serve_parser)  # so vLLM's parser accepts (and documents) our flags
     args = parser.parse_args(argv)
-    try:
-        cfg = build_config(args)
-    except CLIError as e:
-        print(f"kvp-vllm: error: {e}", file=sys.stderr)
-        return 2
     os.environ[ENV_VAR] = cfg.to_env()
     if cfg.enabled:
         from . import plugin

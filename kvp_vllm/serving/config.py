@@ -101,6 +101,25 @@ def request_budget(extra_args: Optional[dict], cfg: EvictionConfig,
     return check_budget_value(value, cfg.min_budget, max_model_len)
 
 
+def request_rule(extra_args: Optional[dict], cfg: EvictionConfig) -> str:
+    """The scoring rule a request asks for (`vllm_xargs.kv_rule`), else the server's rule.
+
+    Any servable rule may be picked per request (handy to compare rules on one server); `kvp` only
+    when the server has a policy checkpoint. Raises BudgetError for a value the API must refuse.
+    """
+    if not extra_args or "kv_rule" not in extra_args:
+        return cfg.rule
+    value = extra_args["kv_rule"]
+    allowed = [r for r in CLI_RULES if r != "none" and (r != "kvp" or cfg.checkpoint)]
+    if not isinstance(value, str) or value not in allowed:
+        hint = "" if cfg.checkpoint else " (kvp needs the server to be started with a policy checkpoint)"
+        raise BudgetError(f"kv_rule must be one of {', '.join(allowed)}{hint}; got {value!r}")
+    if not cfg.enabled:
+        raise BudgetError("this server runs without KV eviction (--kv-eviction none); kv_rule is not "
+                          "available")
+    return value
+
+
 def model_name_candidates(model: str) -> list[str]:
     """Folder names a shipped checkpoint for `model` may have: the repo/folder name, with the
     conversion suffixes dropped (".../SmolLM2-135M-Instruct-bf16" -> "SmolLM2-135M-Instruct")."""

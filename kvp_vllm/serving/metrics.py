@@ -43,6 +43,9 @@ def metrics() -> SimpleNamespace:
             compactions=Counter(
                 "kvp_compactions", "Compactions run, after prefill or during decoding.",
                 ["rule", "phase"]),
+            scoring_errors=Counter(
+                "kvp_scoring_errors", "Layers whose scoring rule failed (recency was used instead).",
+                ["rule"]),
             retained_fraction=Histogram(
                 "kvp_retained_fraction",
                 "Fraction of a request's tokens kept by a compaction (kept / logical length).",

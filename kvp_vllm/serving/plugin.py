@@ -26,9 +26,9 @@ import functools
 import logging
 from typing import Optional
 
-from .config import BudgetError, EvictionConfig, request_budget
+from .config import BudgetError, EvictionConfig, request_budget, request_rule
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvp_vllm.plugin")  # under vLLM's logger: shown in its log format
 
 _INSTALLED = False
 _CONFIG: Optional[EvictionConfig] = None
@@ -243,7 +243,7 @@ def _patch_cpu_attention() -> None:
         def forward_(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
             if attn_metadata is not None and worker.STEP.capture:
                 runner_ev = _active_worker()
-                if runner_ev is not None and runner_ev.needs_queries:
+                if runner_ev is not None:
                     runner_ev.capture_queries(layer.layer_name, query[:attn_metadata.num_actual_tokens])
             return orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         return forward_
@@ -268,10 +268,15 @@ def set_active_worker(ev) -> None:
 
 def validate_request(serving, request):
     """None if the request's kv_budget is acceptable, else an HTTP 400 ErrorResponse."""
+    xargs = getattr(request, "vllm_xargs", None)
     try:
-        request_budget(getattr(request, "vllm_xargs", None), _CONFIG, serving.model_config.max_model_len)
+        request_budget(xargs, _CONFIG, serving.model_config.max_model_len)
     except BudgetError as e:
         return serving.create_error_response(str(e), param="vllm_xargs.kv_budget")
+    try:
+        request_rule(xargs, _CONFIG)
+    except BudgetError as e:
+        return serving.create_error_response(str(e), param="vllm_xargs.kv_rule")
     return None
 
 

@@ -21,10 +21,10 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .config import EvictionConfig, request_budget
+from .config import EvictionConfig, request_budget, request_rule
 from .metrics import metrics
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvp_vllm.scheduler")
 
 _NEVER_CACHE = 1 << 40  # num_cached_block high-water mark that stops a request's block caching
 
@@ -32,6 +32,7 @@ _NEVER_CACHE = 1 << 40  # num_cached_block high-water mark that stops a request'
 @dataclass
 class SchedState:
     budget: int
+    rule: str
     k_blocks: int = 0          # leading blocks freed so far
     compacted: bool = False    # the post-prefill compaction point has passed
 
@@ -48,15 +49,17 @@ class SchedulerEviction:
         self.block_size = self.manager.block_size
         self.max_model_len = scheduler.vllm_config.model_config.max_model_len
 
-    def _budget(self, request) -> Optional[int]:
+    def _state(self, request) -> Optional[SchedState]:
         params = request.sampling_params
         if params is None:
             return None
         try:
-            return request_budget(params.extra_args, self.cfg, self.max_model_len)
+            budget = request_budget(params.extra_args, self.cfg, self.max_model_len)
+            rule = request_rule(params.extra_args, self.cfg)
         except ValueError as e:  # the API validates first; a direct engine client may not have
             logger.warning("kvp-vllm: request %s: %s; serving it without eviction", request.request_id, e)
             return None
+        return None if budget is None else SchedState(budget, rule)
 
     def forget(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)
@@ -77,10 +80,10 @@ class SchedulerEviction:
                 continue
             st = self.reqs.get(rid)
             if st is None:
-                budget = self._budget(request)
-                if budget is None:
+                st = self._state(request)
+                if st is None:
                     continue
-                st = self.reqs[rid] = SchedState(budget)
+                self.reqs[rid] = st
             live = L - st.k_blocks * self.block_size
             trigger = st.budget if not st.compacted else st.budget + self.cfg.interval
             first = not st.compacted
@@ -93,7 +96,7 @@ class SchedulerEviction:
             order = self._order(rid, L, st, k_inc)
             if order is not None:
                 orders[rid] = order
-                self._record(order, L, first)
+                self._record(order, L, first, st.rule)
         scheduler_output.kvp_orders = orders
 
     def _order(self, rid: str, L: int, st: SchedState, k_inc: int) -> Optional[dict]:
@@ -127,9 +130,9 @@ class SchedulerEviction:
             "src_ids": src_ids, "dst_ids": [b.block_id for b in blocks[new_k:end]],
         }
 
-    def _record(self, order: dict, L: int, first: bool) -> None:
+    def _record(self, order: dict, L: int, first: bool, rule: str) -> None:
         m = metrics()
-        rule = self.cfg.rule
+        order["rule"] = rule
         freed = order["new_k"] - order["k_old"]
         m.blocks_freed.labels(rule).inc(freed)
         m.tokens_evicted.labels(rule).inc(freed * self.block_size)

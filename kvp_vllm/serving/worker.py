@@ -25,10 +25,10 @@ import torch
 
 from ..scorers import LayerKV, make_scorer
 from ..selection import gather_kept, select_topb
-from .config import EvictionConfig, request_budget
+from .config import EvictionConfig, request_budget, request_rule
 from .metrics import metrics
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvp_vllm.worker")
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 QUERY_WINDOW = 64  # SnapKV's observation window (TOVA uses the last query only)
@@ -92,16 +92,33 @@ class WorkerEviction:
                                    next(iter(self.caches.values())).dtype, isa,
                                    vc.cache_config.cache_dtype)
         self.max_model_len = vc.model_config.max_model_len
-        kw = {}
-        if cfg.rule == "kvp":
+        self.scorers = {}
+        if cfg.checkpoint:  # load (and shape-check) the policy at start-up, not on a first request
             from ..policy import KVPPolicy, ModelShape
 
             shape = ModelShape(len(self.layers), self.num_kv_heads, self.head_dim, vc.model_config.model)
-            kw["policy"] = KVPPolicy.load(cfg.checkpoint, expect=shape)
-        self.scorer = make_scorer(cfg.rule, **kw)
-        self.needs_queries = bool(getattr(self.scorer, "needs_queries", False))
+            self.scorers["kvp"] = make_scorer("kvp", policy=KVPPolicy.load(cfg.checkpoint, expect=shape))
+        self.scorer_for(cfg.rule)
         logger.info("kvp-vllm worker ready: rule=%s, %d layers, block %d, CPU isa %s",
                     cfg.rule, len(self.layers), self.block_size, isa)
+
+    def scorer_for(self, rule: str):
+        if rule not in self.scorers:
+            self.scorers[rule] = make_scorer(rule)
+        return self.scorers[rule]
+
+    def _request_rule(self, rid: str) -> Optional[str]:
+        """The rule of an evicting request (None if it is not evicted)."""
+        req = self.runner.requests.get(rid)
+        params = getattr(req, "sampling_params", None)
+        if params is None:
+            return None
+        try:
+            if request_budget(params.extra_args, self.cfg) is None:
+                return None
+            return request_rule(params.extra_args, self.cfg)
+        except ValueError:
+            return None
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -127,10 +144,9 @@ class WorkerEviction:
             st = self.reqs.get(rid)
             if st is not None:
                 shift[row] = st.k_blocks
-            if self.needs_queries and rid in scheduler_output.num_scheduled_tokens:
-                req = self.runner.requests.get(rid)
-                params = getattr(req, "sampling_params", None)
-                if params is not None and request_budget(params.extra_args, self.cfg) is not None:
+            if rid in scheduler_output.num_scheduled_tokens:
+                rule = self._request_rule(rid)
+                if rule is not None and self.scorer_for(rule).needs_queries:
                     capture.append((rid, int(qsl[row]), int(qsl[row + 1])))
         STEP.block_shift = shift if shift.any() else None
         STEP.offsets = shift * self.block_size if shift.any() else None
@@ -160,6 +176,8 @@ class WorkerEviction:
         src = torch.tensor(order["src_ids"], dtype=torch.long)
         dst = torch.tensor(order["dst_ids"], dtype=torch.long)
         live = L - k_old * bs
+        rule = order.get("rule", self.cfg.rule)
+        scorer = self.scorer_for(rule)
         t0 = time.perf_counter()
         select_s = 0.0
         new_positions = []
@@ -169,7 +187,13 @@ class WorkerEviction:
             keys, values = k_all[:, :live], v_all[:, :live]
             pos = self._positions(st, li, L, live)  # [H, live]
             ts = time.perf_counter()
-            scores = self._score(li, keys, values, pos, L, st)
+            try:
+                scores = self._score(scorer, li, keys, values, pos, L, st)
+            except Exception:  # a scoring bug must not kill the engine: keep the most recent instead
+                logger.exception("kvp-vllm: rule %s failed on layer %d of request %s; falling back "
+                                 "to recency for this layer", rule, li, rid)
+                metrics().scoring_errors.labels(rule).inc()
+                scores = pos.float()
             kept = select_topb(scores, keep, self.cfg.n_sink, self.cfg.n_recent)  # [H, keep]
             select_s += time.perf_counter() - ts
             self.layout.write_prefix(cache, dst, gather_kept(keys, kept), gather_kept(values, kept))
@@ -179,8 +203,8 @@ class WorkerEviction:
         st.k_blocks = new_k
         st.queries = {}  # the next compaction sees fresh queries only
         m = metrics()
-        m.selection_latency.labels(self.cfg.rule).observe(select_s)
-        m.compaction_latency.labels(self.cfg.rule).observe(time.perf_counter() - t0)
+        m.selection_latency.labels(rule).observe(select_s)
+        m.compaction_latency.labels(rule).observe(time.perf_counter() - t0)
 
     def _positions(self, st: RequestEviction, layer: int, L: int, live: int) -> torch.Tensor:
         h = self.num_kv_heads
@@ -190,24 +214,27 @@ class WorkerEviction:
         grown = torch.arange(st.kept_len, L).expand(h, L - st.kept_len)
         return torch.cat([kept, grown], dim=1)
 
-    def _score(self, layer: int, keys, values, pos, L: int, st: RequestEviction) -> torch.Tensor:
+    def _score(self, scorer, layer: int, keys, values, pos, L: int, st: RequestEviction) -> torch.Tensor:
         keys, values = keys.float(), values.float()
         queries = None
-        if self.needs_queries:
+        if scorer.needs_queries:
             q = st.queries.get(layer)
             if q is None:
                 raise RuntimeError(f"kvp-vllm: no captured queries for layer {layer}")
             queries = q.permute(1, 0, 2).float()  # [q_heads, W, d]
         shared = bool((pos == pos[:1]).all())
         if shared:
-            return self.scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
-        if self.cfg.rule == "kvp":  # the policy takes per-head positions directly
-            return self.scorer.policy.score_layer(layer, keys, values, pos, length=L)
+            return scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
         g = self.num_q_heads // self.num_kv_heads
+        if scorer.name == "kvp":  # each head is its own MLP: score head by head with its positions
+            policy, h_all = scorer.policy, self.num_kv_heads
+            return torch.cat([policy.forward(keys[h:h + 1], values[h:h + 1], pos[h], length=L,
+                                             groups=slice(layer * h_all + h, layer * h_all + h + 1))
+                              for h in range(h_all)], dim=0)
         out = []
         for h in range(self.num_kv_heads):
             qh = None if queries is None else queries[h * g:(h + 1) * g]
-            out.append(self.scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1],
+            out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1],
                                                  pos[h].contiguous(), qh, layer=layer)))
         return torch.cat(out, dim=0)
 
