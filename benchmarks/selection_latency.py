@@ -83,16 +83,28 @@ def timeit(fn, device, reps, warmup=None, setup=None):
             setup()
         fn()
     sync(device)
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
         if setup:
             setup()
         sync(device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         sync(device)
         times.append((time.perf_counter() - t) * 1e3)
+        cpu.append((time.process_time() - c) * 1e3)
+    LAST_CPU_MS[0] = statistics.median(cpu)
     return statistics.median(times)
+
+
+LAST_CPU_MS = [0.0]  # process CPU time (all threads) of the last timeit: robust on a shared CPU
+
+
+def timed(row, key, fn, device, reps, **kw):
+    """row[key_ms] = median wall ms; on CPU also row[key_cpu_ms] = median process CPU ms."""
+    row[f"{key}_ms"] = timeit(fn, device, reps, **kw)
+    if device.type != "cuda":
+        row[f"{key}_cpu_ms"] = LAST_CPU_MS[0]
 
 
 def measure_peaks(device, quick):
@@ -165,10 +177,10 @@ def run_point(shape, length, batch, args, device, layout, block_size, dtype, pat
     sel = None
     with torch.no_grad():
         if "unfused" in paths:
-            row["unfused_ms"] = timeit(lambda: K.unfused_score_select(
+            timed(row, "unfused", lambda: K.unfused_score_select(
                 policy, 0, cache, layout, table, lens, budgets), device, reps)
         if "torch_fused" in paths:
-            row["torch_fused_ms"] = timeit(lambda: K.paged_score_select(
+            timed(row, "torch_fused", lambda: K.paged_score_select(
                 policy, 0, cache, layout, table, lens, budgets, backend="torch"), device, reps)
         if "triton" in paths:
             row["triton_precision"] = precision or "tf32"
@@ -196,7 +208,7 @@ def run_point(shape, length, batch, args, device, layout, block_size, dtype, pat
                                    backend="triton" if "triton" in paths else "torch")
         work = cache.clone()
         reset = lambda: work.copy_(cache)  # noqa: E731
-        row["compact_torch_ms"] = timeit(lambda: K.compact_tail_batched(
+        timed(row, "compact_torch", lambda: K.compact_tail_batched(
             work, layout, table, lens, sel.kept, sel.counts, backend="torch"), device, reps, setup=reset)
         if "triton" in paths:
             row["compact_triton_ms"] = timeit(lambda: K.compact_tail_batched(
@@ -206,6 +218,8 @@ def run_point(shape, length, batch, args, device, layout, block_size, dtype, pat
                            * cache.element_size() * 2 / 1e6)  # read + write
     if "unfused_ms" in row and "torch_fused_ms" in row:
         row["torch_fused_speedup"] = row["unfused_ms"] / row["torch_fused_ms"]
+    if "unfused_cpu_ms" in row and "torch_fused_cpu_ms" in row:
+        row["torch_fused_speedup_cpu_time"] = row["unfused_cpu_ms"] / row["torch_fused_cpu_ms"]
     if "triton_ms" in row and "unfused_ms" in row:
         row["triton_speedup_vs_unfused"] = row["unfused_ms"] / row["triton_ms"]
     del policy, cache, table, sel
@@ -337,6 +351,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the Triton config sweep (GPU)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: on a shared 2-core machine two OpenMP threads "
+                         "spin against each other and run ~10x slower)")
     ap.add_argument("--plot-only", type=Path, default=None, help="re-plot an existing result JSON")
     args = ap.parse_args(argv)
     if args.plot_only:
@@ -344,6 +361,8 @@ def main(argv=None):
         return None
     device = torch.device(args.device)
     gpu = device.type == "cuda"
+    if not gpu:
+        torch.set_num_threads(args.threads)
     full = args.full
     lengths = args.lengths or ([1024, 2048, 4096, 10240, 16384, 32768, 65536, 131072] if full
                                else [1024, 4096, 10240])

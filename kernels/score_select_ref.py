@@ -188,29 +188,30 @@ def pack_layer(policy: KVPPolicy, layer: int, dtype: torch.dtype = torch.float32
 
 
 def mlp_ref(p: PackedLayer, keys: torch.Tensor, values: torch.Tensor, pos_feats: torch.Tensor) -> torch.Tensor:
-    """Per-head MLP on packed weights, organised like the kernel (the concat is three partial
-    products). keys, values [H, N, d]; pos_feats [H or 1, N, F]. Returns fp32 [H, N]."""
-    dt = p.wk.dtype
+    """Per-head MLP on packed weights (same math as ``KVPPolicy.forward``), written for few memory
+    passes: bias folded into baddbmm, LayerNorm affine as one addcmul written straight into its slice
+    of the concat buffer, SiLU in place. keys, values [H, N, d]; pos_feats [H or 1, N, F] -> fp32 [H, N].
+    (Weights in fp32; a bf16 PackedLayer is only for the Triton path.)"""
+    h, n, _ = keys.shape
+    kd, vd, pd, hd = p.wk.shape[2], p.wv.shape[2], p.wp.shape[2], p.w0.shape[2]
+    f32 = torch.float32
 
     def lin(x, w, b):
-        return torch.bmm(x.to(dt), w).float() + b[:, None, :]
+        return torch.baddbmm(b[:, None, :].to(f32), x.to(f32), w.to(f32))
 
-    def ln(x, g, b):
-        return F.layer_norm(x, x.shape[-1:], eps=p.eps) * g[:, None, :] + b[:, None, :]
+    def ln_affine(x, g, b, out=None):
+        y = F.layer_norm(x, x.shape[-1:], eps=p.eps)
+        return torch.addcmul(b[:, None, :], y, g[:, None, :], out=out)
 
-    h = keys.shape[0]
-    npf = p.num_features
+    x = torch.empty(h, n, kd + vd + pd, dtype=f32, device=keys.device)
+    ln_affine(lin(keys, p.wk, p.bk), p.gk, p.betak, out=x[..., :kd])
+    ln_affine(lin(values, p.wv, p.bv), p.gv, p.betav, out=x[..., kd:kd + vd])
     pf = pos_feats.expand(h, -1, -1)
-    k = ln(lin(keys, p.wk, p.bk), p.gk, p.betak)
-    v = ln(lin(values, p.wv, p.bv), p.gv, p.betav)
-    q = ln(lin(pf, p.wp[:, :npf], p.bp), p.gp, p.betap)
-    kd, vd = p.wk.shape[2], p.wv.shape[2]
-    x = (torch.bmm(k.to(dt), p.w0[:, :kd]).float() + torch.bmm(v.to(dt), p.w0[:, kd:kd + vd]).float()
-         + torch.bmm(q.to(dt), p.w0[:, kd + vd:]).float() + p.b0[:, None, :])
-    x = F.silu(ln(x, p.g0, p.beta0))
+    ln_affine(lin(pf, p.wp[:, :p.num_features], p.bp), p.gp, p.betap, out=x[..., kd + vd:])
+    x = F.silu(ln_affine(lin(x, p.w0, p.b0), p.g0, p.beta0), inplace=True)
     for i in range(p.depth - 1):
-        x = F.silu(ln(lin(x, p.wh[:, i], p.bh[:, i]), p.gh[:, i], p.betah[:, i]))
-    return (x * p.wo[:, None, :]).sum(-1) + p.bo[:, None]
+        x = F.silu(ln_affine(lin(x, p.wh[:, i], p.bh[:, i]), p.gh[:, i], p.betah[:, i]), inplace=True)
+    return torch.baddbmm(p.bo[:, None, None], x, p.wo[:, :, None].to(f32)).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------------
