@@ -35,5 +35,15 @@ if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ] || [ scripts/bootstrap.sh -nt 
   touch "$STAMP"
 fi
 
+# Debian's Prometheus: the observability tests scrape a live server with it.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[bootstrap] installing Debian's prometheus"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null
+  else
+    echo "[bootstrap] warning: prometheus is not installed (apt-get install prometheus); the observability tests need it" >&2
+  fi
+fi
+
 # Real model assets: SmolLM2-135M-Instruct converted once to bf16 safetensors (checksummed, cached).
 python -m kvp_vllm.assets
