@@ -148,20 +148,21 @@ def _score_kernel(
             raw = tl.where((j == 0)[None, :], lp[:, None], ld[:, None]) / 10.0
             feats = tl.where((j < 2)[None, :], raw, trig)
             feats = tl.where((j < NPF)[None, :], feats, 0.0)
-            # ---- input projections + LayerNorm -> scratch columns [k | v | p] (the concat)
+            # ---- input projections + LayerNorm -> scratch columns [k | v | p] (the concat);
+            # each is stored as soon as it is computed so only one [BLOCK_T, width] tile is live
+            tl.debug_barrier()  # the previous tile's reads of the scratch tile are done
             hk = _paged_linear(cache_ptr, k_base, slab + within * k_st, k_sd, mask_t,
                                wk + h * D * KD, bk + h * KD, D, KD, BLOCK_T, BK, PRECISION)
             hk = _layernorm(hk, gk + h * KD, betak + h * KD, KD, eps)
+            tl.store(scratch + rows[:, None] * SW + tl.arange(0, KD)[None, :], hk)
             hv = _paged_linear(cache_ptr, v_base, slab + within * v_st, v_sd, mask_t,
                                wv + h * D * VD, bv + h * VD, D, VD, BLOCK_T, BK, PRECISION)
             hv = _layernorm(hv, gv + h * VD, betav + h * VD, VD, eps)
+            tl.store(scratch + rows[:, None] * SW + KD + tl.arange(0, VD)[None, :], hv)
             pcols = tl.arange(0, PD)
             wpt = tl.load(wp + h * NPF_PAD * PD + j[:, None] * PD + pcols[None, :])
             hp = _dot(feats, wpt, PRECISION) + tl.load(bp + h * PD + pcols)[None, :]
             hp = _layernorm(hp, gp + h * PD, betap + h * PD, PD, eps)
-            tl.debug_barrier()  # the previous tile's reads of the scratch tile are done
-            tl.store(scratch + rows[:, None] * SW + tl.arange(0, KD)[None, :], hk)
-            tl.store(scratch + rows[:, None] * SW + KD + tl.arange(0, VD)[None, :], hv)
             tl.store(scratch + rows[:, None] * SW + KD + VD + pcols[None, :], hp)
             tl.debug_barrier()
             # ---- hidden layers
@@ -275,7 +276,7 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
                  seq_lens: torch.Tensor, max_len: int, positions: Optional[torch.Tensor] = None,
                  position_lengths: Optional[torch.Tensor] = None, precision: Optional[str] = None,
                  out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
-                 block_k: int = 32, num_warps: Optional[int] = None,
+                 block_k: Optional[int] = None, num_warps: Optional[int] = None,
                  num_programs: Optional[int] = None) -> torch.Tensor:
     """Scores [B, H, max_len] fp32 of every cached token (positions past a request's length are not
     written). seq_lens int32 on the cache's device."""
@@ -301,7 +302,8 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
     tiles_per_req = triton.cdiv(max_len, bt)
     n_tiles = tiles_per_req * h * bsz
     nprog = num_programs or _num_programs(n_tiles, kv_cache.device)
-    bk = min(block_k, d)
+    # interpreter: fewer, larger chunks (its cost is per op) but still several per matmul
+    bk = min(block_k or (64 if INTERPRET else 32), d)
     sw = max(kd + vd + pd, hd)
     scratch = torch.empty(nprog * bt * sw, device=kv_cache.device, dtype=torch.float32)
     _score_kernel[(nprog,)](
