@@ -28,15 +28,21 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 
 
-def needle_prompt(tokenizer, n_filler: int = 30, seed: int = 0):
-    """A chat prompt hiding one pass key in repetitive filler; returns (input_ids [1, n], answer)."""
+def needle_message(n_filler: int = 30, seed: int = 0):
+    """A user message hiding one 5-digit pass key in repetitive filler; returns (text, key)."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
     depth = rng.randint(n_filler // 4, 3 * n_filler // 4)
     parts = [FILLER] * n_filler
     parts.insert(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    user = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+    text = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
             + "".join(parts) + "\n\nWhat is the pass key?")
+    return text, key
+
+
+def needle_prompt(tokenizer, n_filler: int = 30, seed: int = 0):
+    """The needle message in the chat template, answer primed; returns (input_ids [1, n], key)."""
+    user, key = needle_message(n_filler, seed)
     text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                          add_generation_prompt=True) + "The pass key is"
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
