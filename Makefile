@@ -4,10 +4,13 @@
 setup:
 	bash scripts/bootstrap.sh
 
+# The main job: OpenAI-compatible server, KVP eviction, embedded SmolLM2 (CPU, or GPU when present).
+serve: setup
+	bash scripts/serve.sh
+
+# The needle demo: one prompt answered with every eviction rule at a budget (HF, no server).
 demo: setup
 	.venv/bin/python -m kvp_vllm.demo --budget 128
-
-serve: demo
 
 test: setup
 	.venv/bin/python -m pytest -q tests

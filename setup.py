@@ -37,7 +37,12 @@ setup(
         "test": ["pytest>=8", "openai>=1.40", "pytest-timeout>=2.3"],
     },
     entry_points={
-        "console_scripts": [],
-        "vllm.general_plugins": [],
+        "console_scripts": [
+            "kvp-vllm = kvp_vllm.serving.cli:main",
+            "kvp-eval = kvp_vllm.eval.cli:main",
+            "kvp-train = kvp_vllm.training.cli:main",
+        ],
+        # Loaded by vLLM in the API server, engine core and worker processes.
+        "vllm.general_plugins": ["kvp_vllm = kvp_vllm.serving.plugin:register"],
     },
 )

@@ -185,12 +185,18 @@ def tiny_model_path(name: str = "tiny-llama", seed: int = 0) -> Path:
     return folder
 
 
-def main() -> None:
-    """Prepare the real model assets (used by the bootstrap): print where they are."""
+def main(argv=None) -> None:
+    """Prepare the real model assets (used by the bootstrap); `--path` prints only the folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvp_vllm.assets", description=main.__doc__)
+    parser.add_argument("--path", action="store_true", help="print only the SmolLM2 folder")
+    args = parser.parse_args(argv)
     try:
-        print(f"[kvp-vllm] SmolLM2 ready at {smollm2_path()}")
+        path = smollm2_path()
     except AssetError as e:
         raise SystemExit(f"error: {e}")
+    print(path if args.path else f"[kvp-vllm] SmolLM2 ready at {path}")
 
 
 if __name__ == "__main__":
