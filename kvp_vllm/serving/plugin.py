@@ -123,6 +123,10 @@ def _check_kv_groups(scheduler) -> None:
     if spec is None or type(spec) is not FullAttentionSpec or isinstance(spec, SlidingWindowSpec):
         raise ValueError(f"kvp-vllm needs exactly one full-attention KV cache group; this model has "
                          f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    if manager.block_pool.hash_block_size != manager.block_size:
+        # Partial-block prefix caching would publish blocks that compaction rewrites.
+        raise ValueError("kvp-vllm needs the prefix-cache hash block size to equal the KV block size")
 
 
 # -- scheduler ------------------------------------------------------------------------------------

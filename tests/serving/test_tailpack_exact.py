@@ -1,7 +1,8 @@
-"""Tail-pack is exact: vLLM with eviction (in-process engine, fp32, real SmolLM2) produces the same
-greedy tokens as a Hugging Face reference whose cache keeps exactly the same tokens per layer and KV
-head (positions preserved), and differs from the uncompressed reference (so the check has teeth).
-The freed blocks go back to the pool and come back when the request ends.
+"""Tail-pack is exact: vLLM with eviction (in-process engine, fp32, real SmolLM2, chunked prefill in
+128-token chunks) produces the same greedy tokens as a Hugging Face reference whose cache keeps
+exactly the same tokens per layer and KV head (positions preserved), and differs from the
+uncompressed reference (so the check has teeth). The freed blocks go back to the pool and come back
+when the request ends. The engine has a small block pool so a second test can force preemption.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ PROMPT_REPEATS = 40
 BUDGET = 100
 BLOCK = 32
 NEW_TOKENS = 24
+POOL_BLOCKS = 24  # 768 tokens: room for the exactness test, too small for the preemption test
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +30,15 @@ def engine():
     from kvp_vllm.serving.config import ENV_VAR, EvictionConfig
 
     old = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = EvictionConfig(rule="knorm", budget=BUDGET, interval=1000).to_env()
+    os.environ[ENV_VAR] = EvictionConfig(rule="knorm", budget=BUDGET, interval=64).to_env()
     plugin.register()
     from vllm import LLM
 
     from kvp_vllm.assets import smollm2_path
 
-    llm = LLM(str(smollm2_path()), enforce_eager=True, dtype="float32", max_model_len=2048,
-              block_size=BLOCK, seed=0, enable_prefix_caching=False)
+    llm = LLM(str(smollm2_path()), enforce_eager=True, dtype="float32", max_model_len=736,
+              block_size=BLOCK, seed=0, enable_prefix_caching=False, enable_chunked_prefill=True,
+              max_num_batched_tokens=128, num_gpu_blocks_override=POOL_BLOCKS)
     yield llm
     del llm
     if old is None:
@@ -98,3 +101,36 @@ def test_knorm_eviction_matches_reference_that_keeps_the_same_tokens(engine, smo
     full = _hf_reference(model, ids, None)
     assert got == want
     assert got != full, "the compressed and uncompressed references agree: the check has no teeth"
+
+
+def test_preemption_and_recompute_with_mixed_budgets(engine):
+    """Requests that outgrow the pool are preempted and recomputed; evicting and non-evicting ones
+    mixed. Everything completes, the scheduler's eviction state follows the restarts, no block leaks."""
+    from vllm import SamplingParams
+
+    engine_core = engine.llm_engine.engine_core.engine_core
+    pool = engine_core.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    # Short prompts are all admitted at once; their growth (96 tokens each) overflows the pool.
+    text = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 5
+    budgets = ["none", 32, "none", 40, "none", "none"]
+    prompts = [text + f" Item {i}:" for i in range(len(budgets))]
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True,
+                             extra_args={"kv_budget": b}) for b in budgets]
+    preemptions = []
+    scheduler = engine_core.scheduler
+    original = scheduler._preempt_request
+
+    def spy(request, *args, **kwargs):
+        preemptions.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = spy
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        del scheduler._preempt_request
+    assert preemptions, "the pool was large enough: nothing was preempted"
+    assert all(len(o.outputs[0].token_ids) == 96 for o in outs)
+    assert pool.get_num_free_blocks() == free_before, "blocks leaked"
+    assert not scheduler._kvp.reqs, "eviction state of finished requests was kept"
