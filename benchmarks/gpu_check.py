@@ -70,10 +70,12 @@ def check_score_select(layout, hd, bs, dtype, lens, budgets, precision, referenc
     packed = K.packed_layer(policy, 0, DEV, torch.bfloat16 if precision == "bf16" else torch.float32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     scores = torch.full((len(lens), heads, max(lens)), float("nan"), device=DEV)
-    score_triton(packed, cache, layout, table, lens_t, max(lens), precision=precision, out=scores)
+    hist = torch.zeros(len(lens), heads, 256, dtype=torch.int32, device=DEV)
+    score_triton(packed, cache, layout, table, lens_t, max(lens), precision=precision, out=scores,
+                 hist=hist)
     kept = torch.full((len(lens), heads, max(counts)), -7777, dtype=torch.int32, device=DEV)
     select_triton(scores, lens_t, torch.tensor(counts, dtype=torch.int32, device=DEV), max(counts),
-                  4, 16, out=kept)
+                  4, 16, out=kept, hist=hist)
     sync()
     rtol, atol = TOL["ieee" if DRY else precision]
     worst, ref_mismatch = 0.0, 0

@@ -198,10 +198,13 @@ def run_point(shape, length, batch, args, device, layout, block_size, dtype, pat
             scores = torch.empty(batch, c.num_kv_heads, length, device=device)
             kept = torch.empty(batch, c.num_kv_heads, max(counts), device=device, dtype=torch.int32)
 
+            hist = torch.zeros(batch, c.num_kv_heads, 256, device=device, dtype=torch.int32)
+
             def launches():
+                hist.zero_()
                 score_triton(packed, cache, layout, table, lens_t, length, precision=precision,
-                             out=scores)
-                select_triton(scores, lens_t, counts_t, max(counts), 4, 16, out=kept)
+                             out=scores, hist=hist)
+                select_triton(scores, lens_t, counts_t, max(counts), 4, 16, out=kept, hist=hist)
 
             row["triton_kernels_ms"] = timeit(launches, device, reps, warmup=2)
         sel = K.paged_score_select(policy, 0, cache, layout, table, lens, budgets,
@@ -267,12 +270,16 @@ def triton_config_sweep(device, args, length=10240, grid=None):
                     kw = dict(precision=precision, block_t=block_t, num_warps=warps,
                               num_programs=progs_per_sm * sms)
                     try:
-                        scores = score_triton(packed, cache, "flash", table, lens_t, length, **kw)
+                        hist = torch.zeros(1, 4, 256, dtype=torch.int32, device=device)
+                        scores = score_triton(packed, cache, "flash", table, lens_t, length, hist=hist,
+                                              **kw)
                         err = ((scores[0] - ref.scores[0]).abs()
                                / (1e-3 + ref.scores[0].abs())).max().item()
+                        junk = torch.zeros_like(hist)  # accumulates across reps; only timed
                         ms = timeit(lambda: score_triton(packed, cache, "flash", table, lens_t, length,
-                                                         **kw), device, args.reps, warmup=2)
-                        sel_ms = timeit(lambda: select_triton(scores, lens_t, counts_t, budget, 4, 16),
+                                                         hist=junk, **kw), device, args.reps, warmup=2)
+                        sel_ms = timeit(lambda: select_triton(scores, lens_t, counts_t, budget, 4, 16,
+                                                              hist=hist),
                                         device, args.reps, warmup=2)
                         out.append(dict(kw, num_programs=kw["num_programs"], score_ms=ms,
                                         select_ms=sel_ms, max_rel_err=err))

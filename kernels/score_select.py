@@ -10,7 +10,8 @@ Two launches per layer:
    [Linear, LayerNorm, SiLU] blocks and the output projection. Writes fp32 scores [B, H, max_len].
 2. ``_select_kernel`` — grid (kv_heads, requests). Radix select without a sort: scores are mapped to
    order-preserving integer keys (protected sinks/recent window get the largest key), four 8-bit
-   histogram passes find the b'-th largest key tau and how many ties at tau to take, then one
+   histogram passes find the b'-th largest key tau and how many ties at tau to take (the first pass
+   is fused into the score kernel: each tile adds its top-byte histogram atomically), then one
    compaction pass writes the kept positions in ascending order: every key > tau, plus the
    lowest-index keys == tau. This is exactly ``select_topb``'s stable sort (ties: lower index wins).
 
@@ -94,15 +95,15 @@ def _paged_linear(cache_ptr, base, tok_off, d_stride, mask_t, w_ptr, b_ptr, D: t
 
 @triton.jit
 def _score_kernel(
-    cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr, scratch_ptr,
+    cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr, scratch_ptr, hist_ptr,
     wk, bk, gk, betak, wv, bv, gv, betav, wp, bp, gp, betap, freqs_ptr,
     w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
     k_base, v_base, s_blk, s_head, k_st, k_sd, v_st, v_sd,
-    bt_stride, sc_sb, sc_sh, pos_stride, eps, n_tiles, tiles_per_req, num_heads,
+    bt_stride, sc_sb, sc_sh, pos_stride, eps, n_tiles, tiles_per_req, num_heads, n_sink, n_recent,
     PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
     HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
     DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, BK: tl.constexpr, SW: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FUSE_HIST: tl.constexpr,
 ):
     """Persistent: program p scores tiles p, p + P, ... of the (request, head, token-tile) space.
     The concat input of the first hidden layer and each hidden activation go through the program's
@@ -181,12 +182,21 @@ def _score_kernel(
             w_out = tl.load(wo + h * HD + tl.arange(0, HD))
             score = tl.sum(x * w_out[None, :], 1) + tl.load(bo + h)
             tl.store(scores_ptr + b.to(tl.int64) * sc_sb + h * sc_sh + offs_t, score, mask=mask_t)
+            if FUSE_HIST:  # the selection's first radix pass, for free while the scores are here
+                top = ((_keys_of(score, offs_t, length, n_sink, n_recent) >> 24) & 255).to(tl.int32)
+                tl.atomic_add(hist_ptr + (b.to(tl.int64) * num_heads + h) * 256 + tl.arange(0, 256),
+                              tl.histogram(top, 256, mask=mask_t))
 
 
 @triton.jit
 def _sort_keys(scores_ptr, offs, mask, length, n_sink, n_recent):
     """Order-preserving int64 keys in [0, 2^32): larger score -> larger key; protected -> 2^32-1."""
     s = tl.load(scores_ptr + offs, mask=mask, other=0.0)
+    return _keys_of(s, offs, length, n_sink, n_recent)
+
+
+@triton.jit
+def _keys_of(s, offs, length, n_sink, n_recent):
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -196,8 +206,10 @@ def _sort_keys(scores_ptr, offs, mask, length, n_sink, n_recent):
 
 
 @triton.jit
-def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, sc_sb, sc_sh, kp_sb, kp_sh,
-                   n_sink, n_recent, BLOCK: tl.constexpr):
+def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, hist_ptr, sc_sb, sc_sh, kp_sb, kp_sh,
+                   n_sink, n_recent, num_heads, BLOCK: tl.constexpr, HIST_IN: tl.constexpr):
+    """HIST_IN: the first (top 8 bits) histogram pass was already accumulated by the score kernel
+    into hist [B, H, 256], so this kernel scans its row 4 times instead of 5."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     length = tl.load(lens_ptr + b)
@@ -215,15 +227,18 @@ def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, sc_sb, sc_sh, kp_
         bins = tl.arange(0, 256)
         for p in tl.static_range(4):
             shift: tl.constexpr = 24 - 8 * p
-            hist = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, length, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                m = offs < length
-                key = _sort_keys(row, offs, m, length, n_sink, n_recent)
-                if p > 0:
-                    m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                digit = ((key >> shift) & 255).to(tl.int32)
-                hist += tl.histogram(digit, 256, mask=m)
+            if HIST_IN and p == 0:
+                hist = tl.load(hist_ptr + (b.to(tl.int64) * num_heads + h) * 256 + bins)
+            else:
+                hist = tl.zeros([256], dtype=tl.int32)
+                for start in range(0, length, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < length
+                    key = _sort_keys(row, offs, m, length, n_sink, n_recent)
+                    if p > 0:
+                        m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                    digit = ((key >> shift) & 255).to(tl.int32)
+                    hist += tl.histogram(digit, 256, mask=m)
             ge = tl.cumsum(hist, 0, reverse=True)            # keys with digit >= d
             dstar = tl.max(tl.where(ge.to(tl.int64) >= remaining, bins, -1), 0)
             above = tl.sum(tl.where(bins > dstar, hist, 0), 0)
@@ -277,9 +292,11 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
                  position_lengths: Optional[torch.Tensor] = None, precision: Optional[str] = None,
                  out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
                  block_k: Optional[int] = None, num_warps: Optional[int] = None,
-                 num_programs: Optional[int] = None) -> torch.Tensor:
+                 num_programs: Optional[int] = None, hist: Optional[torch.Tensor] = None,
+                 n_sink: int = 4, n_recent: int = 16) -> torch.Tensor:
     """Scores [B, H, max_len] fp32 of every cached token (positions past a request's length are not
-    written). seq_lens int32 on the cache's device."""
+    written). seq_lens int32 on the cache's device. With `hist` (a zeroed int32 [B, H, 256]) the
+    kernel also accumulates the selection's first radix pass (protection by n_sink / n_recent)."""
     g = cache_geometry(kv_cache, layout)
     p = packed
     bsz = block_tables.shape[0]
@@ -308,31 +325,36 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
     scratch = torch.empty(nprog * bt * sw, device=kv_cache.device, dtype=torch.float32)
     _score_kernel[(nprog,)](
         kv_cache, block_tables, seq_lens, pos, plen, out, scratch,
+        hist if hist is not None else seq_lens,
         p.wk, p.bk, p.gk, p.betak, p.wv, p.bv, p.gv, p.betav, p.wp, p.bp, p.gp, p.betap, p.freqs,
         p.w0, p.b0, p.g0, p.beta0, p.wh, p.bh, p.gh, p.betah, p.wo, p.bo,
         g.key.base - kv_cache.storage_offset(), g.value.base - kv_cache.storage_offset(),
         g.key.block, g.key.head, g.key.token, g.key.dim, g.value.token, g.value.dim,
         block_tables.stride(0), out.stride(0), out.stride(1), pos.stride(0) if has_pos else 0, p.eps,
-        n_tiles, tiles_per_req, h,
+        n_tiles, tiles_per_req, h, n_sink, n_recent,
         PAGE=g.block_size, D=d, KD=kd, VD=vd, PD=pd, HD=hd, NPF=p.num_features,
         NPF_PAD=p.wp.shape[1], NFREQ=p.freqs.numel(), DEPTH=p.depth, BLOCK_T=bt, BK=bk, SW=sw,
-        HAS_POS=has_pos, PRECISION=precision, num_warps=num_warps or _num_warps(p),
+        HAS_POS=has_pos, PRECISION=precision, FUSE_HIST=hist is not None,
+        num_warps=num_warps or _num_warps(p),
     )
     return out
 
 
 def select_triton(scores: torch.Tensor, seq_lens: torch.Tensor, counts: torch.Tensor, width: int,
                   n_sink: int, n_recent: int, out: Optional[torch.Tensor] = None,
-                  block: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
-    """kept [B, H, width] int32 from scores [B, H, >=max_len]; entries past each count are -1."""
+                  block: Optional[int] = None, num_warps: Optional[int] = None,
+                  hist: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """kept [B, H, width] int32 from scores [B, H, >=max_len]; entries past each count are -1.
+    `hist` [B, H, 256]: the first radix pass as accumulated by score_triton(hist=...)."""
     bsz, h, _ = scores.shape
     if out is None:
         out = torch.full((bsz, h, width), PAD, device=scores.device, dtype=torch.int32)
     # one program per (request, head) walks its row 5 times (4 radix passes + compaction): large
     # chunks keep the number of dependent L2 round trips small
     blk = block or (256 if INTERPRET else 2048)
-    _select_kernel[(h, bsz)](scores, seq_lens, counts, out, scores.stride(0), scores.stride(1),
-                             out.stride(0), out.stride(1), n_sink, n_recent, BLOCK=blk,
+    _select_kernel[(h, bsz)](scores, seq_lens, counts, out, hist if hist is not None else counts,
+                             scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+                             n_sink, n_recent, h, BLOCK=blk, HIST_IN=hist is not None,
                              num_warps=1 if INTERPRET else (num_warps or 8))
     return out
 
@@ -359,8 +381,9 @@ def score_select_triton(policy, layer: int, kv_cache: torch.Tensor, layout: str,
         plens = _as_list(position_lengths) if position_lengths is not None else lens
         position_lengths = torch.tensor(plens, dtype=torch.int32, device=dev)
     max_len = max(lens)
+    hist = torch.zeros(len(lens), g.num_kv_heads, 256, dtype=torch.int32, device=dev)
     scores = score_triton(packed, kv_cache, layout, bt, lens_t, max_len, positions,
-                          position_lengths, precision)
+                          position_lengths, precision, hist=hist, n_sink=n_sink, n_recent=n_recent)
     if check_finite:
         valid = torch.arange(max_len, device=dev)[None, None, :] < lens_t[:, None, None]
         protected = ((torch.arange(max_len, device=dev)[None, None, :] < n_sink)
@@ -369,7 +392,7 @@ def score_select_triton(policy, layer: int, kv_cache: torch.Tensor, layout: str,
         bad = valid & ~protected & ~torch.isfinite(scores)
         if bool(bad.any()):
             raise ValueError(f"scoring produced {int(bad.sum())} non-finite scores")
-    kept = select_triton(scores, lens_t, counts_t, max(counts), n_sink, n_recent)
+    kept = select_triton(scores, lens_t, counts_t, max(counts), n_sink, n_recent, hist=hist)
     sel = Selection(kept, torch.tensor(counts, dtype=torch.int64))
     if return_scores:
         valid = torch.arange(max_len, device=dev)[None, None, :] < lens_t[:, None, None]

@@ -123,6 +123,17 @@ def test_select_kernel_equals_select_topb(seed):
 # score + select
 
 
+def top_byte_histogram(scores):
+    """Per head, the histogram of the top 8 bits of the kernel's order-preserving keys."""
+    n = scores.shape[1]
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores)
+    bits = s.view(torch.int32).long()
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+    idx = torch.arange(n)
+    key[:, (idx < N_SINK) | (idx >= n - N_RECENT)] = 2**32 - 1
+    return torch.stack([torch.bincount(k >> 24, minlength=256) for k in key]).to(torch.int32)
+
+
 def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed, reference=False,
                        layer=1, positions=None, position_lengths=None, check_dispatcher=False):
     heads = 2
@@ -145,12 +156,16 @@ def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed,
     scores = torch.full((len(lens), heads, max(lens)), POISON_SCORE)
     pos_t = None if positions is None else positions.to(torch.int32)
     plen_t = None if position_lengths is None else torch.tensor(position_lengths, dtype=torch.int32)
-    score_triton(packed, cache, layout, table, lens_t, max(lens), pos_t, plen_t, out=scores)
+    hist = torch.zeros(len(lens), heads, 256, dtype=torch.int32)
+    score_triton(packed, cache, layout, table, lens_t, max(lens), pos_t, plen_t, out=scores,
+                 hist=hist, n_sink=N_SINK, n_recent=N_RECENT)
     assert_scores_close(scores, mirror.scores, lens, msg=f"{layout} hd{head_dim} bs{block_size} "
                         f"{dtype} seed {seed}")
+    for i, n in enumerate(lens):  # the fused first radix pass = histogram of the keys' top byte
+        assert torch.equal(hist[i], top_byte_histogram(scores[i, :, :n])), f"request {i} histogram"
     kept = torch.full((len(lens), heads, max(counts)), POISON_INDEX, dtype=torch.int32)
     select_triton(scores, lens_t, torch.tensor(counts, dtype=torch.int32), max(counts), N_SINK,
-                  N_RECENT, out=kept)
+                  N_RECENT, out=kept, hist=hist)
     for i, (n, c) in enumerate(zip(lens, counts)):
         own = select_topb(scores[i, :, :n], max(c, N_SINK + N_RECENT))
         assert torch.equal(kept[i, :, :c].long(), own), f"request {i}: selection != select_topb"
