@@ -89,7 +89,7 @@ def paged_score_select(policy, layer: int, kv_cache: torch.Tensor, layout: str,
                        n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT,
                        positions: Optional[torch.Tensor] = None, position_lengths=None,
                        return_scores: bool = False, backend: Optional[str] = None,
-                       precision: Optional[str] = None) -> Selection:
+                       precision: Optional[str] = None, check_finite: bool = False) -> Selection:
     """Score + select for one layer and a batch of requests.
 
     kv_cache: that layer's cache in `layout`; block_tables [B, max_blocks] (int, rows of vLLM's block
@@ -100,7 +100,9 @@ def paged_score_select(policy, layer: int, kv_cache: torch.Tensor, layout: str,
     slot index and seq_len).
 
     Returns a :class:`Selection`: kept [B, H, max b'] int32 ascending (padded with -1), counts [B].
-    On the Triton path `precision` is "ieee", "tf32" (GPU default) or "bf16" for the MLP dots.
+    On the Triton path `precision` is "ieee", "tf32" (GPU default) or "bf16" for the MLP dots, and
+    non-finite scores are only detected with check_finite=True (it costs a device sync); the torch
+    path always raises on them, as ``select_topb`` does.
     """
     with torch.no_grad():
         if backend_for(kv_cache, backend) == "triton":
@@ -110,7 +112,8 @@ def paged_score_select(policy, layer: int, kv_cache: torch.Tensor, layout: str,
             packed = packed_layer(policy, layer, kv_cache.device, wdtype)
             return score_select_triton(policy, layer, kv_cache, layout, block_tables, seq_lens,
                                        budgets, n_sink, n_recent, positions, position_lengths,
-                                       return_scores, packed=packed, precision=precision)
+                                       return_scores, packed=packed, precision=precision,
+                                       check_finite=check_finite)
         packed = packed_layer(policy, layer, kv_cache.device)
         return score_select_ref(policy, layer, kv_cache, layout, block_tables, seq_lens, budgets,
                                 n_sink, n_recent, positions, position_lengths, return_scores,

@@ -320,3 +320,14 @@ def test_rejects_bad_inputs():
         paged_score_select(policy, 0, cache, "paged", table, [50], [30])
     with pytest.raises(ValueError, match="blocks"):
         gather_kv(cache, "flash", table[0, :1], 50)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_finite_scores_raise(backend):
+    policy = KVPPolicy.random_init(ModelShape(1, 2, 64))
+    with torch.no_grad():
+        policy.out.bias.fill_(float("nan"))
+    cache, table = make_paged("flash", [100], 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="non-finite"):
+        paged_score_select(policy, 0, cache, "flash", table, [100], [30], backend=backend,
+                           check_finite=True)
