@@ -1,0 +1,175 @@
+"""`kvp-eval`: compare eviction rules at equal cache budgets on RULER-style tasks.
+
+Example (the committed 2K benchmark; resumable - rerun the same command to continue or to add KVP
+once its checkpoint exists):
+  python -m kvp_vllm.eval.cli --lengths 2K --samples 50 --budgets 64,128,256,512,1024 \
+      --out benchmarks/results/eval_smollm2_2k
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from ..scorers import SCORERS, SERVABLE_RULES
+from .protocol import PROTOCOLS
+from .tasks import DEFAULT_TASKS, TASKS, TaskError, parse_length
+
+MIN_BUDGET = 20  # the 4 sink + 16 recent tokens every rule keeps
+
+
+def default_checkpoint(model_name: str) -> Optional[Path]:
+    """The packaged KVP checkpoint for the model, when one ships (kvp_vllm/checkpoints/<name>/)."""
+    name = "SmolLM2-135M-Instruct" if model_name == "smollm2" else Path(model_name).name
+    folder = Path(__file__).resolve().parent.parent / "checkpoints" / name
+    return folder if (folder / "config.json").exists() or any(folder.glob("*.safetensors")) else None
+
+
+def _csv(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_budgets(text: str) -> list:
+    out = []
+    for t in _csv(text):
+        try:
+            v = float(t)
+        except ValueError:
+            raise ValueError(f"bad budget {t!r}: use token counts (256) or fractions of the context (0.25)")
+        if v <= 0:
+            raise ValueError(f"budgets must be positive; got {t}")
+        if v < 1 or ("." in t and v == 1.0):
+            out.append(v)  # a fraction of the compressed context
+        else:
+            if v != int(v):
+                raise ValueError(f"an absolute budget must be a whole number of tokens; got {t}")
+            if v < MIN_BUDGET:
+                raise ValueError(f"an absolute budget must be at least {MIN_BUDGET} tokens (4 sinks + "
+                                 f"16 recent tokens are always kept); got {t}")
+            out.append(int(v))
+    if not out:
+        raise ValueError("no budgets given")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvp-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (SmolLM2-135M-Instruct from the local asset) or a HF model folder")
+    p.add_argument("--tasks", default="all", help=f"comma list or 'all': {', '.join(TASKS)}")
+    p.add_argument("--lengths", default="2K", help="target prompt lengths in tokens: 1K,2K,4K,8K or counts")
+    p.add_argument("--samples", type=int, default=50, help="samples per task and length")
+    p.add_argument("--budgets", default="64,128,256,512,1024",
+                   help="tokens kept per KV head (ints) and/or fractions of the context (0.1)")
+    p.add_argument("--rules", default="all",
+                   help=f"comma list or 'all' (every rule; kvp only with a checkpoint): {', '.join(sorted(SCORERS))}")
+    p.add_argument("--protocols", default=",".join(PROTOCOLS), help="query_aware,query_agnostic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default="auto",
+                   help="KVP checkpoint folder; 'auto' = the packaged one for the model if it exists")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/eval_<model>)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop starting new samples after this many minutes (rerun to continue)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on a shared 2-core machine one thread per process "
+                        "was 5-8x faster than two)")
+    p.add_argument("--report-only", action="store_true", help="rewrite results/plots from stored rows")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def fail(msg: str):
+        parser.exit(2, f"kvp-eval: error: {msg}\n")
+
+    try:
+        tasks = list(DEFAULT_TASKS) if args.tasks == "all" else _csv(args.tasks)
+        for t in tasks:
+            if t not in TASKS:
+                fail(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+        lengths = [parse_length(x) for x in _csv(args.lengths)]
+        budgets = parse_budgets(args.budgets)
+    except (TaskError, ValueError) as e:
+        fail(str(e))
+    if args.samples <= 0:
+        fail(f"--samples must be positive; got {args.samples}")
+    protocols = _csv(args.protocols)
+    for p in protocols:
+        if p not in PROTOCOLS:
+            fail(f"unknown protocol {p!r}; known: {', '.join(PROTOCOLS)}")
+    checkpoint = None
+    if args.checkpoint == "auto":
+        found = default_checkpoint(args.model)
+        checkpoint = str(found) if found else None
+    elif args.checkpoint:
+        if not Path(args.checkpoint).exists():
+            fail(f"checkpoint {args.checkpoint} does not exist")
+        checkpoint = args.checkpoint
+    if args.rules == "all":
+        rules = [r for r in sorted(SCORERS) if r != "kvp"]
+        if checkpoint:
+            rules = ["kvp"] + rules
+    else:
+        rules = _csv(args.rules)
+        for r in rules:
+            if r not in SCORERS:
+                fail(f"unknown rule {r!r}; known rules: {', '.join(sorted(SCORERS))}")
+        if "kvp" in rules and not checkpoint:
+            fail("the kvp rule needs a trained policy: pass --checkpoint FOLDER (none is packaged for "
+                 f"{args.model} yet)")
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if args.model == "smollm2":
+        from ..assets import smollm2_path
+        model_path = str(smollm2_path(verify=False))  # checked (sha256) before loading the weights
+    else:
+        if not Path(args.model).exists():
+            fail(f"model folder {args.model} does not exist (use 'smollm2' or a local HF folder)")
+        model_path = args.model
+    config = AutoConfig.from_pretrained(model_path)
+    max_ctx = getattr(config, "max_position_embeddings", None)
+    for length in lengths:
+        if max_ctx and length > max_ctx:
+            fail(f"length {length} is above the model's context of {max_ctx} tokens")
+    out = Path(args.out or f"benchmarks/results/eval_{Path(args.model).name}")
+
+    from .runner import EvalConfig, read_rows, run, write_outputs
+
+    cfg = EvalConfig(tasks=tasks, lengths=lengths, samples=args.samples, budgets=budgets, rules=rules,
+                     protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint)
+    if args.report_only:
+        from .plots import plot_all
+        rows = read_rows(out / "rows.jsonl")
+        if not rows:
+            fail(f"no stored rows in {out}")
+        res = write_outputs(out, cfg, rows, {"report_only": True})
+        plot_all(res["aggregate"], out)
+        print(f"rewrote results and plots in {out}")
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model == "smollm2":
+        model_path = str(smollm2_path())  # verifies the converted weights (rebuilds them if corrupt)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    print(f"kvp-eval: {model_path} | tasks {','.join(tasks)} | lengths {lengths} | {args.samples} samples"
+          f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)} | out {out}",
+          file=sys.stderr)
+    t0 = time.time()
+    res = run(cfg, model, tokenizer, out, progress=not args.no_progress, max_minutes=args.max_minutes)
+    print(f"kvp-eval: done in {time.time() - t0:.0f}s; samples with every rule: "
+          f"{res['measured']['samples_per_task_all_rules']}; results in {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Plots from the aggregated rows: accuracy vs cache size (one panel per task, one line per rule,
+full cache dashed), the teacher-forced gold log-likelihood loss vs cache size, and perplexity vs cache
+size. x = mean tokens kept per KV head (log scale)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+RULE_STYLE = {"kvp": ("C3", "o"), "oracle": ("k", "*"), "snapkv": ("C0", "s"), "tova": ("C1", "^"),
+              "lagkv": ("C2", "v"), "keydiff": ("C4", "D"), "knorm": ("C5", "P"),
+              "streaming": ("C6", "X"), "random": ("C7", "x")}
+
+
+def _series(agg: List[Dict], task: str, protocol: str, metric: str):
+    lines = defaultdict(list)
+    full = None
+    for a in agg:
+        if a["task"] != task or a["protocol"] != protocol or a.get(metric) is None:
+            continue
+        if a["rule"] == "full":
+            full = a
+        else:
+            lines[a["rule"]].append((a["kept_mean"], a[metric], a["n"]))
+    return {r: sorted(v) for r, v in lines.items()}, full
+
+
+def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
+    lines, full = _series(agg, task, protocol, metric)
+    for rule in sorted(lines, key=lambda r: list(RULE_STYLE).index(r) if r in RULE_STYLE else 99):
+        color, marker = RULE_STYLE.get(rule, (None, "."))
+        xs, ys, ns = zip(*lines[rule])
+        ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
+    title = task
+    if full is not None and full.get(full_metric) is not None:
+        ax.axhline(full[full_metric], color="gray", ls="--", lw=1, label="full cache")
+        title += f" (n={full['n']}, full={full[full_metric]:.2f})"
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("cache size (tokens kept per KV head)", fontsize=7)
+    ax.set_ylabel(ylabel, fontsize=7)
+    ax.tick_params(labelsize=6)
+    ax.grid(alpha=0.3)
+
+
+def plot_all(agg: List[Dict], out_dir: Path) -> List[Path]:
+    out_dir = Path(out_dir)
+    written = []
+    qa_tasks = sorted({a["task"] for a in agg if "accuracy" in a})
+    ppl_tasks = sorted({a["task"] for a in agg if "perplexity" in a})
+    protocols = sorted({a["protocol"] for a in agg})
+    for length in sorted({a["length"] for a in agg}):
+        sub = [a for a in agg if a["length"] == length]
+        for protocol in protocols:
+            for metric, full_metric, ylabel, name in [
+                    ("accuracy", "accuracy", "accuracy (all answers exact)", "accuracy"),
+                    ("delta_logprob_per_token", "delta_logprob_per_token",
+                     "gold log-lik./token vs full", "loglik")]:
+                tasks = [t for t in qa_tasks if any(a["task"] == t and a["protocol"] == protocol for a in sub)]
+                if not tasks:
+                    continue
+                cols = min(3, len(tasks))
+                rows = (len(tasks) + cols - 1) // cols
+                fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+                for ax, task in zip(axes.flat, tasks):
+                    _panel(ax, sub, task, protocol, metric, full_metric, ylabel)
+                for ax in list(axes.flat)[len(tasks):]:
+                    ax.axis("off")
+                handles, labels = axes.flat[0].get_legend_handles_labels()
+                fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 10), fontsize=7)
+                fig.suptitle(f"{name} vs cache size - {protocol} - {length} tokens", fontsize=10)
+                fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+                path = out_dir / f"eval_{name}_{protocol}_{length}.png"
+                fig.savefig(path, dpi=110)
+                plt.close(fig)
+                written.append(path)
+        for task in ppl_tasks:
+            for protocol in protocols:
+                if not any(a["task"] == task and a["protocol"] == protocol for a in sub):
+                    continue
+                fig, ax = plt.subplots(figsize=(5, 3.6))
+                _panel(ax, sub, task, protocol, "perplexity", "perplexity", "perplexity (lower is better)")
+                ax.set_yscale("log")
+                ax.legend(fontsize=7)
+                fig.tight_layout()
+                path = out_dir / f"eval_perplexity_{task}_{length}.png"
+                fig.savefig(path, dpi=110)
+                plt.close(fig)
+                written.append(path)
+    return written

@@ -1,0 +1,306 @@
+"""Compress-after-prefill evaluation protocol, with physical compaction of the cache.
+
+Two protocols (PAPER.md / issue 3):
+- query_aware (the paper's): prefill everything but the last prompt token, compress that cache, then
+  feed the last token and generate greedily; no generated token ever sees an evicted entry.
+- query_agnostic (serving a cached document): compress after the context, then feed the question and
+  generate.
+
+One prefill per sample is shared by every rule, budget and both protocols: the prompt is prefilled in
+two chunks (context, then question minus its last token), so the context cache (query-agnostic) is a
+prefix of the query-aware cache. Compaction is a per-head gather into a smaller cache
+(`kvp_vllm.capture.compact_cache` semantics); positions of later tokens stay logical.
+
+Efficiency without changing the result: every rule and budget of a sample runs in one padded batch
+(shorter caches padded, the padding masked out), first feeding the tokens after the cache, then decoding
+greedily and, from the same state, teacher-forcing the gold answer (its log-likelihood under the
+compressed cache; the perplexity of the held-out text for the perplexity task).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..capture import forward_capture
+from ..importance import future_importance
+from ..scorers import LayerKV, Scorer
+from ..selection import DEFAULT_RECENT, DEFAULT_SINKS, gather_kept, select_topb
+
+PROTOCOLS = ("query_aware", "query_agnostic")
+Budget = Union[int, float]
+
+
+def _cache(layers: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
+    """A DynamicCache from per-layer (keys, values) [B, H, T, d] (no copy of the tensors)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=list(layers))
+
+
+def resolve_budget(budget: Budget, cache_len: int, minimum: int = DEFAULT_SINKS + DEFAULT_RECENT) -> int:
+    """Absolute budget (int tokens) or fraction of the compressed cache (0 < f <= 1) -> tokens."""
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1]; got {budget}")
+        b = int(round(budget * cache_len))
+    else:
+        b = int(budget)
+    if b <= 0:
+        raise ValueError(f"the budget must be positive; got {budget}")
+    return max(b, minimum)
+
+
+@dataclass
+class Prefill:
+    """The one prefill of a sample. keys/values[l]: [H, n-1, d] (prompt without its last token);
+    q_aware[l]: queries of the last W of those n-1 tokens; q_context[l]: of the last W context tokens."""
+
+    ids: torch.Tensor  # [n] the full prompt
+    n_context: int
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    q_aware: List[torch.Tensor]
+    q_context: List[torch.Tensor]
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+    def cache_len(self, protocol: str) -> int:
+        return self.n - 1 if protocol == "query_aware" else self.n_context
+
+    def rest_ids(self, protocol: str) -> torch.Tensor:
+        """Tokens fed after compression."""
+        return self.ids[self.cache_len(protocol):]
+
+    def layer_kv(self, layer: int, protocol: str, future: Optional[torch.Tensor] = None) -> LayerKV:
+        t = self.cache_len(protocol)
+        q = self.q_aware[layer] if protocol == "query_aware" else self.q_context[layer]
+        return LayerKV(keys=self.keys[layer][:, :t], values=self.values[layer][:, :t],
+                       positions=torch.arange(t), queries=q, future_importance=future, layer=layer)
+
+    def full_cache(self, protocol: str, batch: int = 1):
+        t = self.cache_len(protocol)
+        return _cache([(k[None, :, :t].expand(batch, -1, -1, -1).contiguous(),
+                        v[None, :, :t].expand(batch, -1, -1, -1).contiguous())
+                       for k, v in zip(self.keys, self.values)])
+
+
+@torch.no_grad()
+def prefill(model, prompt_ids: Sequence[int], n_context: int, window: int = 64) -> Prefill:
+    """Prefill prompt[:-1] in two chunks (context, rest) capturing the last `window` queries of each."""
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+    n = ids.shape[0]
+    if not 1 <= n_context <= n - 1:
+        raise ValueError(f"the context ({n_context} tokens) must leave at least one prompt token "
+                         f"after it (prompt of {n})")
+    cap1 = forward_capture(model, ids[None, :n_context], query_last=window)
+    q_context = list(cap1.queries)
+    if n - 1 > n_context:
+        cap2 = forward_capture(model, ids[None, n_context:n - 1], cache=cap1.cache, query_last=window,
+                               position_ids=torch.arange(n_context, n - 1)[None])
+        keys, values = cap2.keys, cap2.values
+        q_aware = [torch.cat([a, b], dim=1)[:, -window:] for a, b in zip(q_context, cap2.queries)]
+    else:
+        keys, values, q_aware = cap1.keys, cap1.values, q_context
+    keys = [k.clone() for k in keys]
+    values = [v.clone() for v in values]
+    return Prefill(ids=ids, n_context=n_context, keys=keys, values=values, q_aware=q_aware,
+                   q_context=q_context)
+
+
+def _eos_ids(model, extra: Sequence[int] = ()) -> set:
+    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") \
+        else None
+    ids = set(extra)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    return ids
+
+
+@torch.no_grad()
+def greedy(model, cache, first_ids: torch.Tensor, start: int, max_new: int, eos: set) -> List[int]:
+    """Feed first_ids [1, k] at positions start.., then decode greedily; returns the new tokens
+    (the EOS token included when hit)."""
+    out: List[int] = []
+    x, pos = first_ids, start
+    while len(out) < max_new:
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True,
+                       position_ids=torch.arange(pos, pos + x.shape[1])[None]).logits
+        pos += x.shape[1]
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if tok in eos:
+            break
+        x = torch.tensor([[tok]])
+    return out
+
+
+@torch.no_grad()
+def full_answer(model, pre: Prefill, max_new: int, eos: set) -> List[int]:
+    """Greedy answer with the full cache (query-aware path: feed the last prompt token)."""
+    if max_new <= 0:
+        return []
+    return greedy(model, pre.full_cache("query_aware"), pre.ids[None, -1:], pre.n - 1, max_new, eos)
+
+
+@torch.no_grad()
+def oracle_importance(model, pre: Prefill, future_ids: Sequence[int]) -> Dict[str, List[torch.Tensor]]:
+    """Future attention c per protocol and layer, from the queries of everything after the compressed
+    cache: question + the given future tokens (the full-cache answer, or the held-out text)."""
+    m, n = pre.n_context, pre.n
+    fut = torch.as_tensor(list(future_ids), dtype=torch.long)
+    feed = torch.cat([pre.ids[m:], fut])
+    cache = _cache([(k[None, :, :m].contiguous(), v[None, :, :m].contiguous())
+                    for k, v in zip(pre.keys, pre.values)])
+    cap = forward_capture(model, feed[None], cache=cache, query_last=feed.shape[0],
+                          position_ids=torch.arange(m, m + feed.shape[0])[None])
+    out: Dict[str, List[torch.Tensor]] = {"query_agnostic": [], "query_aware": []}
+    total = m + feed.shape[0]
+    for q, k in zip(cap.queries, cap.keys):
+        out["query_agnostic"].append(future_importance(q, k, m))
+        out["query_aware"].append(future_importance(q[:, n - 1 - m:], k, n - 1,
+                                                    query_positions=torch.arange(n - 1, total)))
+    return out
+
+
+def rule_scores(scorer: Scorer, pre: Prefill, protocol: str,
+                future: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """Per-layer scores [H, cache_len] of one rule under one protocol."""
+    return [scorer.score(pre.layer_kv(l, protocol, None if future is None else future[l]))
+            for l in range(len(pre.keys))]
+
+
+def kept_indices(scores: List[torch.Tensor], budget: int) -> List[torch.Tensor]:
+    return [select_topb(s, budget) for s in scores]
+
+
+def compacted_layers(pre: Prefill, protocol: str, kept: List[torch.Tensor]):
+    """Per layer (keys, values) [1, H, b, d]: the physical per-head gather."""
+    t = pre.cache_len(protocol)
+    return [(gather_kept(k[:, :t], idx)[None], gather_kept(v[:, :t], idx)[None])
+            for k, v, idx in zip(pre.keys, pre.values, kept)]
+
+
+@dataclass
+class Outcome:
+    tokens: List[int]          # generated tokens (EOS included when hit)
+    agree: int                 # leading tokens equal to the full-cache answer
+    gold_logprob: float        # teacher-forced log-likelihood of the gold tokens
+    gold_tokens: int
+    gold_token_logprobs: List[float] = field(default_factory=list)
+
+
+@torch.no_grad()
+def evaluate_caches(model, pre: Prefill, protocol: str, layers_per_rule: List[list],
+                    answer: List[int], gold: List[int], max_new: int, eos: set,
+                    max_batch: int = 20) -> List[Outcome]:
+    """Run compacted caches (one per rule and budget; sizes may differ) as padded batches.
+    layers_per_rule[r][l] = (keys, values) [1, H, b_r, d]. Per row: feed the tokens after the cache
+    (`rest`), then (a) decode greedily up to max_new tokens and (b) teacher-force the gold tokens
+    (log-likelihood under the compressed cache). `answer` (the full-cache answer) is only compared
+    with. Shorter caches are padded and the padding masked out; positions stay logical."""
+    order = sorted(range(len(layers_per_rule)), key=lambda i: layers_per_rule[i][0][0].shape[2])
+    outcomes: List[Optional[Outcome]] = [None] * len(layers_per_rule)
+    for c in range(0, len(order), max_batch):
+        idx = order[c:c + max_batch]
+        outs = _evaluate_batch(model, pre, protocol, [layers_per_rule[i] for i in idx], gold, max_new, eos)
+        for i, o in zip(idx, outs):
+            agree = 0
+            while agree < min(len(answer), len(o.tokens)) and o.tokens[agree] == answer[agree]:
+                agree += 1
+            o.agree = agree
+            outcomes[i] = o
+    return outcomes  # type: ignore[return-value]
+
+
+def _padded_cache(rows: List[list]):
+    """Per-row caches [1, H, T_r, d] -> one cache [B, H, T_max, d] (zero padding at each row's end) and
+    the [B, T_max] validity mask."""
+    lens = [r[0][0].shape[2] for r in rows]
+    t_max = max(lens)
+    layers = []
+    for l in range(len(rows[0])):
+        k0 = rows[0][l][0]
+        if all(n == t_max for n in lens):
+            k = torch.cat([r[l][0] for r in rows])
+            v = torch.cat([r[l][1] for r in rows])
+        else:
+            k = k0.new_zeros(len(rows), k0.shape[1], t_max, k0.shape[3])
+            v = torch.zeros_like(k)
+            for i, r in enumerate(rows):
+                k[i, :, :lens[i]] = r[l][0][0]
+                v[i, :, :lens[i]] = r[l][1][0]
+        layers.append((k, v))
+    valid = torch.zeros(len(rows), t_max, dtype=torch.long)
+    for i, n in enumerate(lens):
+        valid[i, :n] = 1
+    return _cache(layers), valid
+
+
+def _evaluate_batch(model, pre: Prefill, protocol: str, rows: List[list], gold: List[int],
+                    max_new: int, eos: set) -> List[Outcome]:
+    bsz = len(rows)
+    rest = pre.rest_ids(protocol)
+    start = pre.cache_len(protocol)
+    n_rest = rest.shape[0]
+    cache, valid = _padded_cache(rows)
+    padded = bool((valid == 0).any())
+    pos = torch.arange(start, start + n_rest)[None].expand(bsz, -1)
+    mask = torch.cat([valid, torch.ones(bsz, n_rest, dtype=torch.long)], dim=1)
+    kw = {"attention_mask": mask} if padded else {}
+    first = model(input_ids=rest[None].expand(bsz, -1), past_key_values=cache, use_cache=True,
+                  position_ids=pos, **kw).logits[:, -1].float()  # [B, V]
+    after_rest = [(layer.keys, layer.values) for layer in cache.layers]
+    gold_lp = [[] for _ in range(bsz)]
+    if len(gold):
+        g = torch.as_tensor(gold, dtype=torch.long)
+        lps = [torch.log_softmax(first, -1).gather(1, g[:1].expand(bsz)[:, None])[:, 0]]
+        if len(gold) > 1:
+            x = g[None, :-1].expand(bsz, -1)
+            gm = torch.cat([mask, torch.ones(bsz, len(gold) - 1, dtype=torch.long)], dim=1)
+            gpos = torch.arange(start + n_rest, start + n_rest + len(gold) - 1)[None].expand(bsz, -1)
+            lg = model(input_ids=x, past_key_values=_cache(after_rest), use_cache=True, position_ids=gpos,
+                       **({"attention_mask": gm} if padded else {})).logits.float()
+            lps.append(torch.log_softmax(lg, -1).gather(2, g[None, 1:, None].expand(bsz, -1, 1))[..., 0].T)
+        lp = torch.cat([t if t.dim() == 2 else t[None] for t in lps], dim=0)  # [len(gold), B]
+        gold_lp = [lp[:, i].tolist() for i in range(bsz)]
+    tokens: List[List[int]] = [[] for _ in range(bsz)]
+    if max_new > 0:
+        nxt = first.argmax(-1)
+        tokens = [[int(t)] for t in nxt]
+        live = [i for i in range(bsz) if tokens[i][-1] not in eos and max_new > 1]
+        if live:
+            sel = torch.tensor(live)
+            state = [(k[sel], v[sel]) for k, v in after_rest]
+            more = _decode(model, _cache(state), mask[sel], nxt[sel][:, None],
+                           torch.full((len(live), 1), start + n_rest), max_new - 1, eos, padded)
+            for i, m in zip(live, more):
+                tokens[i] += m
+    return [Outcome(tokens=tokens[i], agree=0, gold_logprob=float(sum(gold_lp[i])), gold_tokens=len(gold),
+                    gold_token_logprobs=gold_lp[i]) for i in range(bsz)]
+
+
+def _decode(model, cache, mask, x, pos, max_new: int, eos: set, padded: bool) -> List[List[int]]:
+    """Batched greedy decoding: feed x [B, 1] at pos [B, 1], make up to max_new tokens per row."""
+    bsz = x.shape[0]
+    out: List[List[int]] = [[] for _ in range(bsz)]
+    done = [False] * bsz
+    while not all(done):
+        mask = torch.cat([mask, torch.ones(bsz, 1, dtype=torch.long)], dim=1)
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True, position_ids=pos,
+                       **({"attention_mask": mask} if padded else {})).logits[:, -1]
+        nxt = logits.argmax(-1)
+        for i in range(bsz):
+            if done[i]:
+                continue
+            out[i].append(int(nxt[i]))
+            if out[i][-1] in eos or len(out[i]) >= max_new:
+                done[i] = True
+        x, pos = nxt[:, None], pos + 1
+    return out

@@ -1,0 +1,361 @@
+"""Evaluation runner: samples x rules x budgets x protocols, resumable, JSON + CSV outputs.
+
+Storage (in the output folder):
+  rows.jsonl       one line per (sample, protocol, rule, budget): the resume store, appended per sample
+  run.json         the settings the folder was started with (a resumed run must match them)
+  results.json     settings, what was measured (samples per task), aggregated rows, timings
+  per_sample.csv   the rows, flattened;  aggregate.csv  the aggregated rows;  plots (plots.py)
+
+Resuming: a sample is skipped when every requested (protocol, rule, budget) row of it is stored; when
+only some rules are missing (e.g. KVP added later with --checkpoint) only those are computed (the
+prefill is redone, the stored full-cache answer is reused).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..scorers import make_scorer
+from . import protocol as P
+from .tasks import TASKS, Renderer, Sample, make_sample, score_answers
+
+FULL = "full"
+
+
+def budget_label(b) -> str:
+    return f"{b:g}" if isinstance(b, float) else str(int(b))
+
+
+@dataclass
+class EvalConfig:
+    tasks: List[str]
+    lengths: List[int]
+    samples: int
+    budgets: List  # ints (tokens) and floats (fractions of the compressed cache)
+    rules: List[str]
+    protocols: List[str]
+    seed: int = 0
+    model: str = "smollm2"
+    checkpoint: Optional[str] = None
+    window: int = 64
+
+    def identity(self) -> Dict:
+        """Settings that must not change when a run is resumed in the same folder."""
+        return {"model": self.model, "seed": self.seed, "window": self.window}
+
+
+def _protocols_for(sample: Sample, protocols: Sequence[str]) -> List[str]:
+    # Perplexity has no question: both protocols are the same computation; run it once.
+    if sample.kind == "ppl":
+        return ["query_aware"]
+    return list(protocols)
+
+
+def make_scorers(rules: Sequence[str], sample: Sample, checkpoint: Optional[str], cache: Dict):
+    out = {}
+    for name in rules:
+        if name == "random":
+            out[name] = make_scorer("random", seed=sample.seed * 100_003 + sample.index)
+        elif name == "kvp":
+            if "kvp" not in cache:
+                cache["kvp"] = make_scorer("kvp", checkpoint=checkpoint)
+            out[name] = cache["kvp"]
+        else:
+            if name not in cache:
+                cache[name] = make_scorer(name)
+            out[name] = cache[name]
+    return out
+
+
+@torch.no_grad()
+def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budgets: Sequence,
+                    protocols: Sequence[str], checkpoint: Optional[str] = None,
+                    full_record: Optional[Dict] = None, window: int = 64,
+                    scorer_cache: Optional[Dict] = None, timings: Optional[Dict] = None) -> List[Dict]:
+    """All rows of one sample. `rules` excludes "full", which is always computed (or reused from
+    full_record, which carries the stored full-cache answer)."""
+    timings = timings if timings is not None else defaultdict(float)
+    scorer_cache = scorer_cache if scorer_cache is not None else {}
+    eos = P._eos_ids(model, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    t0 = time.perf_counter()
+    pre = P.prefill(model, sample.prompt_ids, len(sample.context_ids), window=window)
+    timings["prefill"] += time.perf_counter() - t0
+    base = {"task": sample.task, "length": sample.length, "index": sample.index,
+            "prompt_tokens": len(sample.prompt_ids), "kind": sample.kind}
+    t0 = time.perf_counter()
+    if full_record is not None:
+        answer = list(full_record["answer_ids"])
+    else:
+        answer = P.full_answer(model, pre, sample.max_new_tokens, eos)
+    timings["full_answer"] += time.perf_counter() - t0
+    protos = _protocols_for(sample, protocols)
+    future = None
+    if "oracle" in rules:
+        t0 = time.perf_counter()
+        future = P.oracle_importance(model, pre, answer if sample.kind == "qa" else sample.gold_ids)
+        timings["oracle_future"] += time.perf_counter() - t0
+    scorers = make_scorers([r for r in rules if r != FULL], sample, checkpoint, scorer_cache)
+
+    def row(protocol, rule, label, kept, cache_len, out: P.Outcome):
+        text = tokenizer.decode([t for t in out.tokens if t not in eos], skip_special_tokens=True)
+        correct, recall = score_answers(text, sample.answers) if sample.kind == "qa" else (None, None)
+        r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
+                 output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
+                 agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
+        return r
+
+    rows: List[Dict] = []
+    for protocol in protos:
+        cache_len = pre.cache_len(protocol)
+        t0 = time.perf_counter()
+        full_layers = [(k[None, :, :cache_len], v[None, :, :cache_len]) for k, v in zip(pre.keys, pre.values)]
+        full_out = P.evaluate_caches(model, pre, protocol, [full_layers], answer, sample.gold_ids,
+                                     sample.max_new_tokens, eos)[0]
+        timings["full_eval"] += time.perf_counter() - t0
+        full_row = row(protocol, FULL, FULL, cache_len, cache_len, full_out)
+        full_row["answer_ids"] = answer
+        rows.append(full_row)
+        if not scorers:
+            continue
+        t0 = time.perf_counter()
+        ranked = {name: P.rule_scores(sc, pre, protocol, None if future is None else future[protocol])
+                  for name, sc in scorers.items()}
+        timings["scoring"] += time.perf_counter() - t0
+        jobs = []  # (rule, budget label, b, compacted layers): every rule and budget, one padded batch
+        for budget in budgets:
+            b = P.resolve_budget(budget, cache_len)
+            label = budget_label(budget)
+            if b >= cache_len:  # keeps everything: identical to the full cache
+                for name in scorers:
+                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None))
+                continue
+            t0 = time.perf_counter()
+            for name in scorers:
+                kept = P.kept_indices(ranked[name], b)
+                jobs.append((name, label, b, P.compacted_layers(pre, protocol, kept)))
+            timings["select_compact"] += time.perf_counter() - t0
+        if jobs:
+            t0 = time.perf_counter()
+            outs = P.evaluate_caches(model, pre, protocol, [j[3] for j in jobs], answer, sample.gold_ids,
+                                     sample.max_new_tokens, eos)
+            timings["compressed_eval"] += time.perf_counter() - t0
+            for (name, label, b, _), out in zip(jobs, outs):
+                rows.append(row(protocol, name, label, b, cache_len, out))
+    for r in rows:
+        if r.get("answer_ids") is None:
+            r.pop("answer_ids", None)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Store
+
+
+def read_rows(path: Path) -> List[Dict]:
+    rows = []
+    if path.exists():
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by an interrupted write
+                    continue
+    return rows
+
+
+def append_rows(path: Path, rows: Iterable[Dict]) -> None:
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def row_key(r: Dict) -> Tuple:
+    return (r["task"], r["length"], r["index"], r["protocol"], r["rule"], r["budget"])
+
+
+def wanted_keys(sample: Sample, rules, budgets, protocols) -> Dict[str, List[Tuple]]:
+    """Per rule (incl. full), the row keys the sample needs."""
+    out: Dict[str, List[Tuple]] = {}
+    for p in _protocols_for(sample, protocols):
+        out.setdefault(FULL, []).append((sample.task, sample.length, sample.index, p, FULL, FULL))
+        for rule in rules:
+            for b in budgets:
+                out.setdefault(rule, []).append(
+                    (sample.task, sample.length, sample.index, p, rule, budget_label(b)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def aggregate(rows: List[Dict]) -> List[Dict]:
+    full = {(r["task"], r["length"], r["index"], r["protocol"]): r for r in rows if r["rule"] == FULL}
+    groups: Dict[Tuple, List[Dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["length"], r["protocol"], r["rule"], r["budget"])].append(r)
+    out = []
+    for (task, length, protocol, rule, budget), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2], kv[0][3], _budget_sort(kv[0][4]))):
+        fulls = [full.get((r["task"], r["length"], r["index"], r["protocol"])) for r in rs]
+        pairs = [(r, f) for r, f in zip(rs, fulls) if f is not None]
+        agg = {"task": task, "length": length, "protocol": protocol, "rule": rule, "budget": budget,
+               "n": len(rs), "kept_mean": sum(r["kept"] for r in rs) / len(rs),
+               "cache_len_mean": sum(r["cache_len"] for r in rs) / len(rs)}
+        kind = rs[0].get("kind", "qa")
+        if kind == "qa":
+            agg["accuracy"] = sum(bool(r["correct"]) for r in rs) / len(rs)
+            agg["recall"] = sum(r["recall"] for r in rs) / len(rs)
+            agg["full_accuracy"] = (sum(bool(f["correct"]) for _, f in pairs) / len(pairs)) if pairs else None
+            agg["same_as_full"] = sum(bool(r["same_as_full"]) for r in rs) / len(rs)
+        tok = sum(r["gold_tokens"] for r in rs)
+        agg["gold_logprob_per_token"] = sum(r["gold_logprob"] for r in rs) / max(tok, 1)
+        if pairs:
+            agg["delta_logprob_per_token"] = sum(
+                (r["gold_logprob"] - f["gold_logprob"]) / max(r["gold_tokens"], 1) for r, f in pairs) / len(pairs)
+        if kind == "ppl":
+            agg["perplexity"] = math.exp(-sum(r["gold_logprob"] for r in rs) / max(tok, 1))
+            ftok = sum(f["gold_tokens"] for _, f in pairs)
+            agg["full_perplexity"] = math.exp(-sum(f["gold_logprob"] for _, f in pairs) / max(ftok, 1)) \
+                if pairs else None
+        out.append(agg)
+    return out
+
+
+def _budget_sort(label: str):
+    if label == FULL:
+        return (2, 0.0)
+    v = float(label)
+    return (1, v) if "." in label else (0, v)
+
+
+CSV_ROW_FIELDS = ["task", "length", "index", "protocol", "rule", "budget", "kept", "cache_len",
+                  "prompt_tokens", "correct", "recall", "same_as_full", "agree", "gold_logprob",
+                  "gold_tokens", "output"]
+
+
+def write_csv(path: Path, rows: List[Dict], fields: Optional[List[str]] = None) -> None:
+    if fields is None:
+        fields = []
+        for r in rows:
+            fields.extend(k for k in r if k not in fields)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
+    """Per task/length: samples with a stored row for every given rule."""
+    have: Dict[Tuple, set] = defaultdict(set)
+    for r in rows:
+        have[(r["task"], r["length"], r["index"])].add(r["rule"])
+    out: Dict[str, int] = defaultdict(int)
+    for (task, length, _), rs in have.items():
+        if set(rules) | {FULL} <= rs:
+            out[f"{task}/{length}"] += 1
+    return dict(sorted(out.items()))
+
+
+def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict) -> Dict:
+    agg = aggregate(rows)
+    results = {
+        "settings": {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]},
+        "measured": {"samples_per_task_all_rules": samples_done(rows, cfg.rules),
+                     "rows": len(rows), **extra},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "transformers": __import__("transformers").__version__,
+                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "notes": ["perplexity task: both protocols coincide (no question), reported as query_aware",
+                  "accuracy = every expected answer present in the greedy output (RULER exact match)",
+                  "delta_logprob_per_token = teacher-forced log-likelihood of the gold answer per "
+                  "token under the compressed cache minus the full cache (0 = no loss)"],
+        "aggregate": agg,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_csv(out_dir / "per_sample.csv", rows, CSV_ROW_FIELDS)
+    write_csv(out_dir / "aggregate.csv", agg)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Run
+
+
+def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
+        max_minutes: Optional[float] = None, log=print) -> Dict:
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = out_dir / "run.json"
+    if meta_path.exists():
+        stored = json.loads(meta_path.read_text())
+        if stored.get("identity") != cfg.identity():
+            raise SystemExit(f"error: {out_dir} holds a run with other settings {stored.get('identity')}"
+                             f" (now {cfg.identity()}); use another --out folder")
+    else:
+        meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
+    store = out_dir / "rows.jsonl"
+    rows = read_rows(store)
+    have = {row_key(r): r for r in rows}
+    renderer = Renderer(tokenizer)
+    # Interleave tasks (sample index outermost) so an interrupted run covers every task evenly.
+    plan = [(i, length, task) for i in range(cfg.samples) for length in cfg.lengths for task in cfg.tasks]
+    timings: Dict[str, float] = defaultdict(float)
+    scorer_cache: Dict = {}
+    started = time.time()
+    computed = 0
+    bar = tqdm(plan, desc="kvp-eval", disable=not progress, dynamic_ncols=True)
+    stopped_early = False
+    for i, length, task in bar:
+        bar.set_postfix_str(f"{task}/{length}#{i}")
+        sample = make_sample(task, tokenizer, length, i, cfg.seed, renderer=renderer)
+        want = wanted_keys(sample, cfg.rules, cfg.budgets, cfg.protocols)
+        missing = [rule for rule, keys in want.items() if any(k not in have for k in keys)]
+        if not missing:
+            continue
+        if max_minutes is not None and (time.time() - started) / 60 > max_minutes:
+            stopped_early = True
+            break
+        full_keys = want[FULL]
+        full_record = have.get(full_keys[0]) if all(k in have for k in full_keys) else None
+        new = evaluate_sample(model, tokenizer, sample, [r for r in missing if r != FULL],
+                              cfg.budgets, cfg.protocols, cfg.checkpoint, full_record, cfg.window,
+                              scorer_cache, timings)
+        new = [r for r in new if row_key(r) not in have]
+        append_rows(store, new)
+        for r in new:
+            have[row_key(r)] = r
+        rows.extend(new)
+        computed += 1
+        timings["samples"] += 1
+    bar.close()
+    elapsed = time.time() - started
+    extra = {"this_invocation": {"samples_computed": computed, "seconds": round(elapsed, 1),
+                                 "stopped_by_time_limit": stopped_early,
+                                 "seconds_by_stage": {k: round(v, 1) for k, v in timings.items()}}}
+    results = write_outputs(out_dir, cfg, rows, extra)
+    try:
+        from .plots import plot_all
+        plot_all(results["aggregate"], out_dir)
+    except Exception as e:  # plots are a convenience; the numbers are already written
+        log(f"warning: plotting failed: {e}")
+    return results
