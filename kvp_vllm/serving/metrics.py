@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 _METRICS: Optional[SimpleNamespace] = None
+_GAUGES: Optional[SimpleNamespace] = None
 
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
@@ -50,6 +51,18 @@ def metrics() -> SimpleNamespace:
                 "kvp_retained_fraction",
                 "Fraction of a request's tokens kept by a compaction (kept / logical length).",
                 ["rule"], buckets=FRACTION_BUCKETS),
+        )
+    return _METRICS
+
+
+def gauges() -> SimpleNamespace:
+    """Block-pool gauges, created only in the scheduler's process: in multiprocess mode another
+    process's never-set copy must not compete with the real value."""
+    global _GAUGES
+    if _GAUGES is None:
+        from prometheus_client import Gauge
+
+        _GAUGES = SimpleNamespace(
             blocks_free=Gauge(
                 "kvp_kv_cache_free_blocks",
                 "Free blocks in vLLM's KV block pool (cached-but-unused blocks count as free).",
@@ -58,4 +71,4 @@ def metrics() -> SimpleNamespace:
                 "kvp_kv_cache_used_blocks", "Blocks of vLLM's KV block pool held by requests.",
                 multiprocess_mode="mostrecent"),
         )
-    return _METRICS
+    return _GAUGES

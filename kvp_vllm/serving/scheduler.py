@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .config import EvictionConfig, request_budget, request_rule
-from .metrics import metrics
+from .metrics import gauges, metrics
 
 logger = logging.getLogger("vllm.kvp_vllm.scheduler")
 
@@ -140,7 +140,7 @@ class SchedulerEviction:
         m.retained_fraction.labels(rule).observe(order["keep"] / L)
 
     def refresh_gauges(self) -> None:
-        m = metrics()
+        m = gauges()
         free = self.pool.get_num_free_blocks()
         m.blocks_free.set(free)
         m.blocks_used.set(self.pool.num_gpu_blocks - 1 - free)  # block 0 is vLLM's null block

@@ -265,6 +265,13 @@ def test_metrics_show_the_kvp_series(server):
     url = server["url"]
     client = _client(server)
     _complete(client, FILLER * 10 + "Go on.", 2, {"kv_budget": 32})  # make sure something evicted
+    before = metric(url, "kvp_compactions_total")
+    chat = client.chat.completions.create(  # the chat API takes the same per-request budget
+        model=MODEL_NAME, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": FILLER * 10 + "What colour is the sky?"}],
+        extra_body={"vllm_xargs": {"kv_budget": 32}})
+    assert chat.choices[0].message.content is not None
+    assert metric(url, "kvp_compactions_total") == before + 1
     assert metric(url, "kvp_selection_latency_seconds_count", rule=SERVER_RULE) > 0
     assert metric(url, "kvp_selection_latency_seconds_sum", rule=SERVER_RULE) > 0
     assert metric(url, "kvp_compaction_latency_seconds_count", rule=SERVER_RULE) > 0
