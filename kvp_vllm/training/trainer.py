@@ -60,6 +60,8 @@ class FitConfig:
     n_sink: int = DEFAULT_SINKS
     n_recent: int = DEFAULT_RECENT
     cache_traces: bool = True      # keep the training traces in memory after their first read
+    max_tokens: int = 0            # >0: rank a random subset of this many unprotected tokens per trace
+                                   # and step (cheaper steps; the subset's cost is a noisy proxy)
 
 
 def parse_layers(spec: str, num_layers: int) -> range:
@@ -114,6 +116,10 @@ def trace_loss(model, data: Dict[str, torch.Tensor], groups: slice, cfg: FitConf
     values = data["values"][:, mid].to(device)
     c = data["importance"][:, mid].to(device)
     pos = torch.arange(n, device=device)[mid]
+    m = keys.shape[1]
+    if cfg.max_tokens and m > cfg.max_tokens:
+        idx = torch.randperm(m, generator=generator)[:cfg.max_tokens].sort().values.to(device)
+        keys, values, c, pos = keys[:, idx], values[:, idx], c[:, idx], pos[idx]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         scores = model(keys, values, pos, n, groups)
     return rloo_loss(scores.float(), c, samples=cfg.samples, clip=cfg.adv_clip, generator=generator)
