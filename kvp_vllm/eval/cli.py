@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared 2-core machine one thread per process "
                         "was 5-8x faster than two)")
-    p.add_argument("--report-only", action="store_true", help="rewrite results/plots from stored rows")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite results/plots from stored rows and print markdown summary tables")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -153,7 +154,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             fail(f"no stored rows in {out}")
         res = write_outputs(out, cfg, rows, {"report_only": True})
         plot_all(res["aggregate"], out)
-        print(f"rewrote results and plots in {out}")
+        from .runner import markdown_summary
+        for protocol in protocols:
+            for metric, d in (("accuracy", 2), ("delta_logprob_per_token", 2), ("perplexity", 1)):
+                table = markdown_summary(res["aggregate"], protocol, metric, d)
+                if table.count("\n") > 1:
+                    print(f"\n### {metric}, {protocol}\n\n{table}")
+        print(f"\nrewrote results and plots in {out}", file=sys.stderr)
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

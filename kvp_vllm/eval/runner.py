@@ -301,7 +301,7 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
 
 
 def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
-        max_minutes: Optional[float] = None, log=print) -> Dict:
+        max_minutes: Optional[float] = None, log=print, plots: bool = True) -> Dict:
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,15 +347,40 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         rows.extend(new)
         computed += 1
         timings["samples"] += 1
+        with open(out_dir / "progress.log", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {sample.key} rules={','.join(missing)} "
+                    f"elapsed={time.time() - started:.0f}s stages={ {k: round(v) for k, v in timings.items()} }\n")
     bar.close()
     elapsed = time.time() - started
     extra = {"this_invocation": {"samples_computed": computed, "seconds": round(elapsed, 1),
                                  "stopped_by_time_limit": stopped_early,
                                  "seconds_by_stage": {k: round(v, 1) for k, v in timings.items()}}}
     results = write_outputs(out_dir, cfg, rows, extra)
+    if not plots:
+        return results
     try:
         from .plots import plot_all
         plot_all(results["aggregate"], out_dir)
     except Exception as e:  # plots are a convenience; the numbers are already written
         log(f"warning: plotting failed: {e}")
     return results
+
+
+def markdown_summary(agg: List[Dict], protocol: str, metric: str = "accuracy", digits: int = 2) -> str:
+    """A markdown table: one line per (task, rule), one column per budget, the full cache beside."""
+    rows = [a for a in agg if a["protocol"] == protocol and a.get(metric) is not None]
+    budgets = sorted({a["budget"] for a in rows if a["rule"] != FULL}, key=_budget_sort)
+    full = {(a["task"], a["length"]): a for a in rows if a["rule"] == FULL}
+    lines = [f"| task | n | rule | " + " | ".join(f"b={b}" for b in budgets) + " | full |",
+             "|" + "---|" * (len(budgets) + 4)]
+    cells: Dict[Tuple, Dict[str, Dict]] = defaultdict(dict)
+    for a in rows:
+        if a["rule"] != FULL:
+            cells[(a["task"], a["length"], a["rule"])][a["budget"]] = a
+    for (task, length, rule), by_b in sorted(cells.items()):
+        f = full.get((task, length))
+        n = f["n"] if f else max(a["n"] for a in by_b.values())
+        vals = [f"{by_b[b][metric]:.{digits}f}" if b in by_b else "" for b in budgets]
+        lines.append(f"| {task} | {n} | {rule} | " + " | ".join(vals) +
+                     f" | {f[metric]:.{digits}f} |" if f else " | |")
+    return "\n".join(lines)

@@ -54,11 +54,12 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
 
     # rerun: nothing to do; more samples: only the new ones; a new rule: only that rule
     assert run(cfg(1, ["random", "oracle"]), small_model, tokenizer, tmp_path,
-               progress=False)["measured"]["this_invocation"]["samples_computed"] == 0
+               progress=False, plots=False)["measured"]["this_invocation"]["samples_computed"] == 0
     assert run(cfg(2, ["random", "oracle"]), small_model, tokenizer, tmp_path,
-               progress=False)["measured"]["this_invocation"]["samples_computed"] == 2
+               progress=False, plots=False)["measured"]["this_invocation"]["samples_computed"] == 2
     before = {row_key(r): r for r in read_rows(tmp_path / "rows.jsonl")}
-    res = run(cfg(2, ["random", "oracle", "knorm"]), small_model, tokenizer, tmp_path, progress=False)
+    res = run(cfg(2, ["random", "oracle", "knorm"]), small_model, tokenizer, tmp_path, progress=False,
+              plots=False)
     assert res["measured"]["this_invocation"]["samples_computed"] == 4
     after = read_rows(tmp_path / "rows.jsonl")
     assert len({row_key(r) for r in after}) == len(after) == len(before) + 2 * 2 * 3 + 2 * 3
