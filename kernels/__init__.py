@@ -59,11 +59,14 @@ def backend_for(t: torch.Tensor, backend: Optional[str] = None) -> str:
     if choice == "auto":
         return "triton" if t.is_cuda and triton_available() else "torch"
     if choice == "triton":
-        if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 "
-                               "(set before importing triton)")
         if not triton_available():
             raise RuntimeError("the Triton backend was asked for but triton is not importable")
+        if not t.is_cuda:
+            from . import compact, score_select
+
+            if not (score_select.INTERPRET and compact.INTERPRET):
+                raise RuntimeError("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set "
+                                   "before kvp_vllm.kernels.score_select / .compact are imported")
     return choice
 
 

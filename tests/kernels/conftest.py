@@ -1,14 +1,27 @@
-"""Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter: the variable must
-be set before triton is imported anywhere in the test process."""
+"""Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter.
+
+triton.jit picks the interpreter when a kernel is *defined*, and the interpreter checks the variable
+again when it runs, so TRITON_INTERPRET=1 is set while our kernel modules are imported and, through an
+autouse fixture, during each test of this folder — and nowhere else, so it does not leak into the other
+tests of the same pytest run (or into the vLLM servers they start).
+"""
 
 import os
+import random
 
+import pytest
+import torch
+
+_previous = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
-
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+try:
+    import kvp_vllm.kernels.compact  # noqa: E402,F401
+    import kvp_vllm.kernels.score_select  # noqa: E402,F401
+finally:
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous
 
 
 @pytest.fixture
@@ -20,3 +33,8 @@ def seed(request):
     random.seed(value)
     request.node.user_properties.append(("seed", value))
     return value
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
