@@ -199,16 +199,23 @@ class Outcome:
 @torch.no_grad()
 def evaluate_caches(model, pre: Prefill, protocol: str, layers_per_rule: List[list],
                     answer: List[int], gold: List[int], max_new: int, eos: set,
-                    max_batch: int = 20) -> List[Outcome]:
+                    max_batch: int = 20, pad: bool = False) -> List[Outcome]:
     """Run compacted caches (one per rule and budget; sizes may differ) as padded batches.
     layers_per_rule[r][l] = (keys, values) [1, H, b_r, d]. Per row: feed the tokens after the cache
     (`rest`), then (a) decode greedily up to max_new tokens and (b) teacher-force the gold tokens
     (log-likelihood under the compressed cache). `answer` (the full-cache answer) is only compared
-    with. Shorter caches are padded and the padding masked out; positions stay logical."""
-    order = sorted(range(len(layers_per_rule)), key=lambda i: layers_per_rule[i][0][0].shape[2])
+    with. Positions stay logical.
+
+    By default rows are batched only with rows of the same cache size (every rule at one budget): no
+    attention mask is needed then, and PyTorch's SDPA runs grouped-query attention directly (with a
+    mask, transformers copies the KV cache to every query head on each step, which dominated the run
+    time). pad=True batches caches of different sizes together, padded, the padding masked out."""
+    size = lambda i: layers_per_rule[i][0][0].shape[2]  # noqa: E731
+    order = sorted(range(len(layers_per_rule)), key=size)
+    groups = [order] if pad else [[i for i in order if size(i) == t] for t in sorted({size(i) for i in order})]
+    chunks = [g[c:c + max_batch] for g in groups for c in range(0, len(g), max_batch)]
     outcomes: List[Optional[Outcome]] = [None] * len(layers_per_rule)
-    for c in range(0, len(order), max_batch):
-        idx = order[c:c + max_batch]
+    for idx in chunks:
         outs = _evaluate_batch(model, pre, protocol, [layers_per_rule[i] for i in idx], gold, max_new, eos)
         for i, o in zip(idx, outs):
             agree = 0

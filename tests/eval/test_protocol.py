@@ -95,8 +95,9 @@ def test_positions_preserved_against_masked_reference(model):
     assert (wrong - ref).abs().max() > 1e-3 > 10 * (got - ref).abs().max()
 
 
+@pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("protocol", P.PROTOCOLS)
-def test_batched_equals_plain_greedy(model, protocol):
+def test_batched_equals_plain_greedy(model, protocol, pad):
     """All rules and budgets in one padded batch give exactly the output of plain greedy decoding
     on each compacted cache alone, and the gold log-likelihood of teacher forcing on it alone."""
     ids = _prompt(n=90, seed=4)
@@ -108,7 +109,7 @@ def test_batched_equals_plain_greedy(model, protocol):
     layers = [P.compacted_layers(pre, protocol, P.kept_indices(
         P.rule_scores(make_scorer(r), pre, protocol), b))
         for r in ("knorm", "random", "streaming", "snapkv") for b in (20, 33, 47)]
-    outs = P.evaluate_caches(model, pre, protocol, layers, answer, gold, 10, EOS, max_batch=7)
+    outs = P.evaluate_caches(model, pre, protocol, layers, answer, gold, 10, EOS, max_batch=7, pad=pad)
     for lay, out in zip(layers, outs):
         plain = P.greedy(model, P._cache(lay), rest[None], start, 10, EOS)
         assert out.tokens == plain
