@@ -277,8 +277,12 @@ def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
 
 def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict) -> Dict:
     agg = aggregate(rows)
+    settings = {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]}
+    if cfg.checkpoint and (Path(cfg.checkpoint) / "config.json").exists():
+        ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
+        settings["checkpoint_weights_sha256"] = ck.get("weights_sha256")
     results = {
-        "settings": {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]},
+        "settings": settings,
         "measured": {"samples_per_task_all_rules": samples_done(rows, cfg.rules),
                      "rows": len(rows), **extra},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
