@@ -86,7 +86,6 @@ def plot_all(agg: List[Dict], out_dir: Path) -> List[Path]:
                     continue
                 fig, ax = plt.subplots(figsize=(5, 3.6))
                 _panel(ax, sub, task, protocol, "perplexity", "perplexity", "perplexity (lower is better)")
-                ax.set_yscale("log")
                 ax.legend(fontsize=7)
                 fig.tight_layout()
                 path = out_dir / f"eval_perplexity_{task}_{length}.png"
