@@ -28,7 +28,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _compact_kernel(cache_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
-                    k_base, v_base, s_blk, s_head, k_st, k_sd, v_st, v_sd,
+                    k_base, v_base, s_blk, s_head, k_st: tl.constexpr, k_sd: tl.constexpr,
+                    v_st: tl.constexpr, v_sd: tl.constexpr,
                     bt_stride, kp_sb, kp_sh,
                     PAGE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
     h = tl.program_id(0)
@@ -89,12 +90,14 @@ def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tens
     bt = block_tables.to(device=dev, dtype=torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     cnts_t = torch.tensor(cnts, dtype=torch.int32, device=dev)
-    chunk = chunk or (16 if INTERPRET else 128)
+    # GPU: CHUNK * head_dim = 4096 elements per tile keeps the kernel spill-free at 4 warps (ptxas
+    # for sm_90: 232-244 registers, no stack at head_dim 64/128); 128 x 128 spills
+    chunk = chunk or (16 if INTERPRET else max(16, 4096 // g.head_dim))
     off = kv_cache.storage_offset()
     _compact_kernel[(g.num_kv_heads, len(lens))](
         kv_cache, bt, lens_t, cnts_t, kept_d,
         g.key.base - off, g.value.base - off, g.key.block, g.key.head, g.key.token, g.key.dim,
         g.value.token, g.value.dim, bt.stride(0), kept_d.stride(0), kept_d.stride(1),
-        PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, num_warps=num_warps or (1 if INTERPRET else 8),
+        PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, num_warps=num_warps or (1 if INTERPRET else 4),
     )
     return [(length - cnt) // g.block_size if cnt < length else 0 for length, cnt in zip(lens, cnts)]

@@ -98,7 +98,8 @@ def _score_kernel(
     cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr, scratch_ptr, hist_ptr,
     wk, bk, gk, betak, wv, bv, gv, betav, wp, bp, gp, betap, freqs_ptr,
     w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
-    k_base, v_base, s_blk, s_head, k_st, k_sd, v_st, v_sd,
+    k_base, v_base, s_blk, s_head, k_st: tl.constexpr, k_sd: tl.constexpr, v_st: tl.constexpr,
+    v_sd: tl.constexpr,
     bt_stride, sc_sb, sc_sh, pos_stride, eps, n_tiles, tiles_per_req, num_heads, n_sink, n_recent,
     PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
     HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
@@ -226,7 +227,6 @@ def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, hist_ptr, sc_sb, 
         remaining = tl.zeros([1], dtype=tl.int64) + count
         bins = tl.arange(0, 256)
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
             if HIST_IN and p == 0:
                 hist = tl.load(hist_ptr + (b.to(tl.int64) * num_heads + h) * 256 + bins)
             else:
@@ -236,14 +236,14 @@ def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, hist_ptr, sc_sb, 
                     m = offs < length
                     key = _sort_keys(row, offs, m, length, n_sink, n_recent)
                     if p > 0:
-                        m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                    digit = ((key >> shift) & 255).to(tl.int32)
+                        m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                    digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
                     hist += tl.histogram(digit, 256, mask=m)
             ge = tl.cumsum(hist, 0, reverse=True)            # keys with digit >= d
             dstar = tl.max(tl.where(ge.to(tl.int64) >= remaining, bins, -1), 0)
             above = tl.sum(tl.where(bins > dstar, hist, 0), 0)
             remaining = remaining - above
-            prefix = prefix + (dstar.to(tl.int64) << shift)
+            prefix = prefix + (dstar.to(tl.int64) << (24 - 8 * p))
         # ---- compaction: keys > tau, then the lowest-index ties at tau, in ascending order
         written = tl.zeros([1], dtype=tl.int32)
         ties_seen = tl.zeros([1], dtype=tl.int32)
