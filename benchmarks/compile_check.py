@@ -82,6 +82,7 @@ def score_config(name, d, kd, vd, pd, hd, precision, block_t, num_warps, cache="
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="one select and one compact config (tests)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_check_sm90.json")
     args = ap.parse_args(argv)
@@ -107,6 +108,10 @@ def main(argv=None):
             for block_t, warps in ((64, 8), (128, 8)):
                 meta, a = score_config("reference", 128, 256, 256, 32, 256, precision, block_t, warps)
                 jobs.append((meta, score, a))
+    if args.smoke:
+        jobs = [j for j in jobs if (j[0]["kernel"] == "select" and j[0]["block"] == 2048
+                                    and j[0]["hist_in"]) or
+                (j[0]["kernel"] == "compact" and j[0]["head_dim"] == 128 and j[0]["chunk"] == 32)]
     results, failed = [], 0
     for meta, fn, a in jobs:
         try:
@@ -118,7 +123,7 @@ def main(argv=None):
         results.append(meta)
         print(json.dumps(meta), flush=True)
     out = dict(target=f"cuda sm_{args.arch}", triton=triton.__version__, results=results, failed=failed)
-    if not args.quick:
+    if not (args.quick or args.smoke):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
         print(f"wrote {args.out}")
