@@ -18,11 +18,20 @@ unset TRITON_INTERPRET
   > "$OUT/gpu_info.txt" 2>&1
 cat "$OUT/gpu_info.txt"
 start=$(date +%s)
-timeout "${CHECK_TIMEOUT:-200}" python benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
-check_rc=${PIPESTATUS[0]}
-echo "gpu_check rc=$check_rc after $(( $(date +%s) - start )) s"
-timeout "${BENCH_TIMEOUT:-340}" python benchmarks/selection_latency.py --full \
-  --out "$OUT/selection_latency_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/selection_latency_gpu.log"
-bench_rc=${PIPESTATUS[0]}
-echo "benchmark rc=$bench_rc after $(( $(date +%s) - start )) s"
+check_rc=0
+bench_rc=0
+# Compiles dominate the first minutes (the reference-size scorer takes ptxas tens of seconds per
+# config; Triton's disk cache keeps them for later calls on the same warm machine). If one call is too
+# short for both steps, split them: SKIP_BENCH=1 for the first call, SKIP_CHECK=1 for the second.
+if [ -z "${SKIP_CHECK:-}" ]; then
+  timeout "${CHECK_TIMEOUT:-240}" python benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
+  check_rc=${PIPESTATUS[0]}
+  echo "gpu_check rc=$check_rc after $(( $(date +%s) - start )) s"
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-320}" python benchmarks/selection_latency.py --full \
+    --out "$OUT/selection_latency_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/selection_latency_gpu.log"
+  bench_rc=${PIPESTATUS[0]}
+  echo "benchmark rc=$bench_rc after $(( $(date +%s) - start )) s"
+fi
 exit $(( check_rc != 0 || bench_rc != 0 ))

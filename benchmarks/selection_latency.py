@@ -256,7 +256,8 @@ def triton_config_sweep(device, args, length=10240, grid=None):
     lens_t = torch.tensor([length], dtype=torch.int32, device=device)
     counts_t = torch.tensor([budget], dtype=torch.int32, device=device)
     ref = K.score_select_ref(policy, 0, cache, "flash", table, [length], [budget], return_scores=True)
-    g = grid or dict(precision=("tf32", "bf16"), block_t=(64, 128), warps=(4, 8), progs=(1, 2, 4),
+    # each (precision, block_t, warps) is one compile of a large kernel (ptxas: tens of seconds)
+    g = grid or dict(precision=("tf32", "bf16"), block_t=(64, 128), warps=(8,), progs=(1, 2, 4),
                      select_block=(1024, 2048, 4096, 8192), select_warps=(4, 8, 16),
                      chunk=(32, 64, 128, 256), compact_warps=(4, 8))
     sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
