@@ -43,15 +43,24 @@ def essay_paragraphs() -> List[str]:
     return paras
 
 
-def _words(rng: random.Random, k: int) -> List[str]:
+@lru_cache(maxsize=1)
+def _nouns() -> tuple:
     try:
-        from wonderwords import RandomWord
+        from wonderwords import Defaults, RandomWord
 
-        rw = RandomWord(rng=random.Random(rng.random()))  # seeded: prompts are reproducible
-        return [rw.word(include_parts_of_speech=["nouns"]) for _ in range(k)]
-    except Exception:  # wonderwords missing: syllable words
-        syl = ["ka", "lo", "mi", "ter", "von", "sa", "ri", "pel", "du", "ne", "bo", "zan"]
-        return ["".join(rng.choice(syl) for _ in range(3)) for _ in range(k)]
+        rw = RandomWord(enhanced_prefixes=False, noun=Defaults.NOUNS)
+        return tuple(sorted(set(rw._categories["noun"])))
+    except Exception:  # noqa: BLE001 - wonderwords missing: syllable words below
+        return ()
+
+
+def _words(rng: random.Random, k: int) -> List[str]:
+    """k random nouns (wonderwords' list, loaded once), a pure function of rng's state."""
+    nouns = _nouns()
+    if nouns:
+        return [rng.choice(nouns) for _ in range(k)]
+    syl = ["ka", "lo", "mi", "ter", "von", "sa", "ri", "pel", "du", "ne", "bo", "zan"]
+    return ["".join(rng.choice(syl) for _ in range(3)) for _ in range(k)]
 
 
 class _Budget:
