@@ -140,3 +140,20 @@ def test_bad_budget():
         P.resolve_budget(0, 100)
     with pytest.raises(ValueError):
         P.resolve_budget(1.5, 100)
+
+
+def test_two_chunk_prefill_equals_one_pass(model):
+    """The shared prefill (context, then the question) leaves the same keys, values and last-window
+    queries as one forward over prompt[:-1] - for both protocols' views."""
+    from kvp_vllm.capture import forward_capture
+
+    ids = _prompt(n=70, seed=7)
+    pre = P.prefill(model, ids, n_context=60, window=16)
+    one = forward_capture(model, torch.tensor([ids[:-1]]), query_last=16)
+    ctx = forward_capture(model, torch.tensor([ids[:60]]), query_last=16)
+    for l in range(len(pre.keys)):
+        assert torch.allclose(pre.keys[l], one.keys[l], atol=1e-5)
+        assert torch.allclose(pre.values[l], one.values[l], atol=1e-5)
+        assert pre.q_aware[l].shape == one.queries[l].shape == (4, 16, 16)
+        assert torch.allclose(pre.q_aware[l], one.queries[l], atol=1e-5)
+        assert torch.allclose(pre.q_context[l], ctx.queries[l], atol=1e-5)
