@@ -101,10 +101,10 @@ def position_features(positions: torch.Tensor, length: int, frequencies: int) ->
     """
     pos = positions.to(torch.float32)
     dist = (length - 1) - pos
-    logs = torch.stack([torch.log1p(pos.clamp_min(0)), torch.log1p(dist.clamp_min(0))], dim=-1)  # [T, 2]
+    logs = torch.stack([torch.log1p(pos.clamp_min(0)), torch.log1p(dist.clamp_min(0))], dim=-1)  # [..., T, 2]
     freqs = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), frequencies, device=pos.device))
-    angles = logs[..., None] * freqs  # [T, 2, F]
-    return torch.cat([logs / 10.0, angles.sin().flatten(1), angles.cos().flatten(1)], dim=-1)
+    angles = logs[..., None] * freqs  # [..., T, 2, F]
+    return torch.cat([logs / 10.0, angles.sin().flatten(-2), angles.cos().flatten(-2)], dim=-1)
 
 
 class StackedLinear(nn.Module):

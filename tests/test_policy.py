@@ -45,6 +45,18 @@ def test_batched_equals_per_head_loop(reference):
                 assert torch.allclose(batched[layer, h], ref, atol=1e-5)
 
 
+def test_per_head_positions_equal_shared_positions():
+    """After a compaction each head keeps different tokens: positions may be [heads, T]."""
+    policy = KVPPolicy.random_init(SHAPE, seed=3)
+    keys, values = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    per_head = torch.stack([torch.arange(0, 18, 2), torch.arange(1, 19, 2)])
+    with torch.no_grad():
+        both = policy.score_layer(1, keys, values, per_head, length=40)
+        for h in range(2):
+            one = policy.forward(keys[h:h + 1], values[h:h + 1], per_head[h], 40, slice(2 + h, 3 + h))
+            assert torch.allclose(both[h], one[0], atol=1e-5)
+
+
 def test_reference_architecture_is_paper_sized():
     cfg = PolicyConfig.reference(ModelShape(28, 4, 128))
     assert (cfg.key_dim, cfg.value_dim, cfg.pos_dim, cfg.hidden_dim, cfg.depth) == (256, 256, 32, 256, 2)
