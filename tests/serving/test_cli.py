@@ -47,11 +47,10 @@ def test_checkpoint_for_another_model_is_refused(tmp_path):
 
 
 def test_kvp_without_a_shipped_policy_says_so():
-    from kvp_vllm.serving.config import shipped_checkpoint
+    """No policy ships for the tiny test model: kvp without --kvp-checkpoint must say so."""
+    from kvp_vllm.assets import tiny_model_path
 
-    if shipped_checkpoint("SmolLM2-135M-Instruct") is not None:
-        pytest.skip("a SmolLM2 policy is shipped: kvp starts without --kvp-checkpoint")
-    r = _serve("--kv-eviction", "kvp", "--kv-budget", "64")
+    r = _serve("--kv-eviction", "kvp", "--kv-budget", "64", model=str(tiny_model_path("tiny-llama")))
     assert r.returncode == 2 and "needs a trained policy" in r.stderr
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,7 @@ import openai
 import pytest
 import requests
 
+from kvp_vllm.serving.launch import free_port
 from serving_helpers import MODEL_NAME, SERVER_RULE, metric
 
 pytestmark = pytest.mark.timeout(600)
@@ -51,12 +51,6 @@ def test_dashboard_expressions_read_exported_metrics(server):
     assert not missing, f"dashboard reads metrics the server does not export: {missing}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prom_query(base: str, expr: str) -> list:
     r = requests.get(base + "/api/v1/query", params={"query": expr}, timeout=10)
     r.raise_for_status()
@@ -76,7 +70,7 @@ def test_prometheus_scrapes_eviction_series(server):
     (work / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s}\n"
         f"scrape_configs:\n  - job_name: kvp-vllm\n    static_configs:\n      - targets: ['{target}']\n")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
                              f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"],

@@ -148,10 +148,7 @@ def _needle_prompts(n=4, seed=0):
 
 
 def test_needle_recall_kvp_beats_streaming(server):
-    """Needs the trained SmolLM2 policy (kvp_vllm/checkpoints/SmolLM2-135M-Instruct)."""
-    if not server["kvp_trained"]:
-        pytest.skip("no trained SmolLM2 KVP policy is shipped yet (kvp_vllm/checkpoints/"
-                    "SmolLM2-135M-Instruct): the kvp-vs-streaming needle comparison needs it")
+    """With the shipped SmolLM2 policy (kvp_vllm/checkpoints/SmolLM2-135M-Instruct)."""
     budget = 128
     items = _needle_prompts()
 

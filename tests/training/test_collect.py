@@ -103,13 +103,7 @@ def test_bad_inputs(tiny_traces, tmp_path):
 
 
 def test_real_model_collection_smoke(tmp_path):
-    """One short SmolLM2 trace (skipped when the converted model is not available)."""
-    from kvp_vllm.assets import AssetError, smollm2_path
-
-    try:
-        smollm2_path()
-    except (AssetError, Exception) as e:  # noqa: BLE001
-        pytest.skip(f"SmolLM2 not available: {e}")
+    """One short SmolLM2 trace on the real model."""
     torch.set_num_threads(1)
     out = collect(CollectConfig(model="smollm2", lengths=(96,), num_traces=1, answer_tokens=2, window=8,
                                 tasks=("needle",)), tmp_path / "s", progress=False)
