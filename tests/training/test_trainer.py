@@ -86,3 +86,17 @@ def test_torchrun_two_process_gloo(tiny_traces, tmp_path):
     extra = json.loads((out / "config.json").read_text())["extra"]
     assert extra["world_size"] == 2
     KVPPolicy.load(out, expect=TraceSet(tiny_traces).shape)
+
+
+def test_shipped_smollm2_policy_loads():
+    """The committed policy fits SmolLM2-135M-Instruct (30 layers x 3 KV heads, head_dim 64)."""
+    from pathlib import Path
+
+    import kvp_vllm
+    folder = Path(kvp_vllm.__file__).parent / "checkpoints" / "SmolLM2-135M-Instruct"
+    policy = KVPPolicy.load(folder, expect=ModelShape(30, 3, 64, "SmolLM2-135M-Instruct"))
+    assert policy.config.model_name == "SmolLM2-135M-Instruct"
+    extra = json.loads((folder / "config.json").read_text())["extra"]
+    assert extra["best_val_normalised_cost"] < 1.6 and "kvp-train" in extra["command"]
+    with pytest.raises(CheckpointError):
+        KVPPolicy.load(folder, expect=ModelShape(3, 2, 16, "tiny-llama"))
