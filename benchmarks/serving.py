@@ -102,7 +102,6 @@ def workload(cfg: dict, seed: int) -> List[dict]:
 async def drive(url: str, items: List[dict], output_tokens: int) -> List[dict]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=1800, max_retries=0)
     t0 = time.perf_counter()
 
     async def one(item: dict) -> dict:
@@ -127,7 +126,8 @@ async def drive(url: str, items: List[dict], output_tokens: int) -> List[dict]:
                     output_tokens=n_out, ttft=ttft, tpot=tpot, start=sent - t0,
                     end=time.perf_counter() - t0, correct=item["key"] in answer, answer=answer)
 
-    return await asyncio.gather(*(one(i) for i in items))
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=1800, max_retries=0) as client:
+        return await asyncio.gather(*(one(i) for i in items))
 
 
 def run_server(label: str, cfg: dict, eviction: List[str], items: List[dict], workdir: Path) -> dict:
@@ -139,7 +139,7 @@ def run_server(label: str, cfg: dict, eviction: List[str], items: List[dict], wo
             str(cfg["max_tokens"] + 600), "--max-num-seqs", "64", "--served-model-name", MODEL_NAME,
             "--disable-uvicorn-access-log", *eviction]
     print(f"[{label}] starting server: {' '.join(eviction) or 'no eviction'}", file=sys.stderr)
-    with ServerProcess(smollm2_path(), args, workdir / f"{label}.log") as url:
+    with ServerProcess(smollm2_path(), args, workdir / f"{label}.log", start_timeout=900) as url:
         asyncio.run(drive(url, items[:1], 2))  # warm-up, not measured
         before = scrape(url)
         sampler = Sampler(url, cfg["pool_blocks"])

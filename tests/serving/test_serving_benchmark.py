@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serving_benchmark_quick(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=880)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1750)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "serving_quick.json").read_text())
     assert (tmp_path / "serving_quick.png").stat().st_size > 0
