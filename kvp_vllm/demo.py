@@ -14,7 +14,6 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -68,11 +67,6 @@ def greedy(model, cache, first_ids: torch.Tensor, start_pos: int, max_new: int, 
     return out
 
 
-def shipped_checkpoint(model_name: str) -> Optional[Path]:
-    folder = Path(__file__).parent / "checkpoints" / model_name
-    return folder if (folder / "config.json").exists() else None
-
-
 def run(budget: int, rules: List[str], n_filler: int, seed: int, max_new: int = 12) -> List[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,6 +100,8 @@ def run(budget: int, rules: List[str], n_filler: int, seed: int, max_new: int = 
 
     for rule in rules:
         if rule == "kvp":
+            from .serving.config import shipped_checkpoint
+
             ckpt = shipped_checkpoint(SMOLLM2_NAME)
             if ckpt is None:
                 print("kvp: no shipped SmolLM2 policy in this install (train one with `kvp-train`); skipped",

@@ -23,9 +23,10 @@ MIN_BUDGET = 20  # the 4 sink + 16 recent tokens every rule keeps
 
 def default_checkpoint(model_name: str) -> Optional[Path]:
     """The packaged KVP checkpoint for the model, when one ships (kvp_vllm/checkpoints/<name>/)."""
-    name = "SmolLM2-135M-Instruct" if model_name == "smollm2" else Path(model_name).name
-    folder = Path(__file__).resolve().parent.parent / "checkpoints" / name
-    return folder if (folder / "config.json").exists() or any(folder.glob("*.safetensors")) else None
+    from ..assets import SMOLLM2_NAME
+    from ..serving.config import shipped_checkpoint
+
+    return shipped_checkpoint(SMOLLM2_NAME if model_name == "smollm2" else model_name)
 
 
 def _csv(text: str) -> List[str]:
