@@ -100,7 +100,7 @@ def _score_kernel(
     w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
     k_base, v_base, s_blk, s_head, k_st: tl.constexpr, k_sd: tl.constexpr, v_st: tl.constexpr,
     v_sd: tl.constexpr,
-    bt_stride, sc_sb, sc_sh, pos_stride, eps, n_tiles, tiles_per_req, num_heads, n_sink, n_recent,
+    bt_stride, sc_sb, sc_sh, pos_stride, pos_stride_h, eps, n_tiles, tiles_per_req, num_heads, n_sink, n_recent,
     PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
     HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
     DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, BK: tl.constexpr, SW: tl.constexpr,
@@ -128,7 +128,8 @@ def _score_kernel(
             within = (offs_t % PAGE).to(tl.int64)
             # ---- position features (position_features in policy.py)
             if HAS_POS:
-                pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride + offs_t, mask=mask_t, other=0)
+                pos = tl.load(pos_ptr + b.to(tl.int64) * pos_stride + h * pos_stride_h + offs_t,
+                              mask=mask_t, other=0)
                 pos = pos.to(tl.float32)
                 plen = tl.load(plen_ptr + b).to(tl.float32)
             else:
@@ -330,7 +331,8 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
         p.w0, p.b0, p.g0, p.beta0, p.wh, p.bh, p.gh, p.betah, p.wo, p.bo,
         g.key.base - kv_cache.storage_offset(), g.value.base - kv_cache.storage_offset(),
         g.key.block, g.key.head, g.key.token, g.key.dim, g.value.token, g.value.dim,
-        block_tables.stride(0), out.stride(0), out.stride(1), pos.stride(0) if has_pos else 0, p.eps,
+        block_tables.stride(0), out.stride(0), out.stride(1), pos.stride(0) if has_pos else 0,
+        pos.stride(1) if has_pos and pos.dim() == 3 else 0, p.eps,
         n_tiles, tiles_per_req, h, n_sink, n_recent,
         PAGE=g.block_size, D=d, KD=kd, VD=vd, PD=pd, HD=hd, NPF=p.num_features,
         NPF_PAD=p.wp.shape[1], NFREQ=p.freqs.numel(), DEPTH=p.depth, BLOCK_T=bt, BK=bk, SW=sw,

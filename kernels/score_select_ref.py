@@ -245,8 +245,9 @@ def score_select_ref(policy: KVPPolicy, layer: int, kv_cache: torch.Tensor, layo
     """Torch mirror of the fused kernel: all requests' tokens scored together with packed weights
     (in chunks of `chunk_tokens` tokens to bound memory), then :func:`threshold_select_ref`.
 
-    positions [B, >=max_len] (optional): the position of each cache slot (default: the slot index);
-    position_lengths [B] (optional): the length those positions belong to (default: seq_len).
+    positions [B, >=max_len] or per head [B, H, >=max_len] (optional): the position of each cache
+    slot (default: the slot index; per head after an earlier compaction kept different tokens per
+    head); position_lengths [B] (optional): the length those positions belong to (default: seq_len).
     """
     g = cache_geometry(kv_cache, layout)
     lens = _as_list(seq_lens)
@@ -260,12 +261,14 @@ def score_select_ref(policy: KVPPolicy, layer: int, kv_cache: torch.Tensor, layo
     keys, values, feats, owners = [], [], [], []
     for i, length in enumerate(lens):
         k, v = gather_kv(kv_cache, layout, block_tables[i], length)
-        pos = (torch.arange(length, device=dev) if positions is None
-               else positions[i, :length].to(dev))
+        pos = (torch.arange(length, device=dev)[None] if positions is None
+               else positions[i, ..., :length].to(dev).reshape(-1, length))  # [1 or H, length]
         keys.append(k)
         values.append(v)
         feats.append(position_features(pos, plens[i], policy.config.pos_frequencies))
-    keys, values, feats = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(feats, 0)[None]
+    per_head = max(f.shape[0] for f in feats)
+    keys, values = torch.cat(keys, 1), torch.cat(values, 1)
+    feats = torch.cat([f.expand(per_head, -1, -1) for f in feats], 1)  # [1 or H, tokens, F]
     flat = torch.empty(g.num_kv_heads, keys.shape[1], device=dev)
     with torch.no_grad():
         for s in range(0, keys.shape[1], chunk_tokens):

@@ -16,8 +16,9 @@ Patch points (vLLM 0.32, V1 model runner used by the CPU platform):
   GPUModelRunner._prepare_inputs     carry out the orders before the inputs are built; per-row offsets
   CPUAttentionMetadataBuilder.build  cut freed blocks off each evicted request's block row / seq_len
   CPUAttentionBackendImpl.forward    capture the last queries (TOVA, SnapKV only)
-  OpenAIServingChat.create_chat_completion / OpenAIServingCompletion.create_completion
-                                     HTTP 400 for a bad `vllm_xargs.kv_budget`
+  OpenAIServingChat.create_chat_completion / OpenAIServingCompletion.create_completion /
+  OpenAIServingResponses.create_responses
+                                     HTTP 400 for a bad `vllm_xargs.kv_budget` / `kv_rule`
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ def validate_request(serving, request):
 def _patch_openai_api() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     def guarded(orig):
         async def create(self, request, *args, **kwargs):
@@ -298,3 +300,4 @@ def _patch_openai_api() -> None:
 
     _wrap(OpenAIServingChat, "create_chat_completion", guarded)
     _wrap(OpenAIServingCompletion, "create_completion", guarded)
+    _wrap(OpenAIServingResponses, "create_responses", guarded)

@@ -3,7 +3,9 @@
 Per step, before the model runner builds its inputs, the worker carries out the scheduler's
 compaction orders: for each ordered request and each layer it reads the live tokens, scores them
 with the configured rule, keeps b' per KV head and writes them into the block-aligned tail
-[new_k * block_size, L). From then on the request's attention metadata is shifted: its block-table
+[new_k * block_size, L). Reading, writing and KVP's score + select go through `kvp_vllm.kernels`
+(the fused Triton kernels on CUDA tensors, their torch reference here), so the server and the
+benchmarks run one implementation. From then on the request's attention metadata is shifted: its block-table
 row starts at block new_k and its sequence length drops by new_k * block_size. Token positions (and
 so RoPE and the slot mapping of new tokens) stay logical.
 
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from ..kernels import gather_kv, paged_score_select, scatter_kv_tokens
 from ..scorers import LayerKV, make_scorer
 from ..selection import gather_kept, select_topb
 from .config import EvictionConfig, request_budget, request_rule
@@ -65,7 +68,7 @@ class RequestEviction:
 
 class WorkerEviction:
     def __init__(self, runner, cfg: EvictionConfig):
-        from .cache_layout import probe_layout
+        from .cache_layout import verify_cpu_layout
 
         self.runner = runner
         self.cfg = cfg
@@ -88,9 +91,9 @@ class WorkerEviction:
         isa = getattr(ctx[self.layers[0][1]], "isa", None)
         if isa is None:
             raise RuntimeError("kvp-vllm: the CPU attention layer has no ISA set; is this the CPU backend?")
-        self.layout = probe_layout(self.num_kv_heads, self.block_size, self.head_dim,
-                                   next(iter(self.caches.values())).dtype, isa,
-                                   vc.cache_config.cache_dtype)
+        self.layout = verify_cpu_layout(self.num_kv_heads, self.block_size, self.head_dim,
+                                        next(iter(self.caches.values())).dtype, isa,
+                                        vc.cache_config.cache_dtype)
         self.max_model_len = vc.model_config.max_model_len
         self.scorers = {}
         if cfg.checkpoint:  # load (and shape-check) the policy at start-up, not on a first request
@@ -173,30 +176,30 @@ class WorkerEviction:
             ids[new_k + i] = b
             if row is not None:
                 bt[row, new_k + i] = b
-        src = torch.tensor(order["src_ids"], dtype=torch.long)
-        dst = torch.tensor(order["dst_ids"], dtype=torch.long)
+        src = torch.tensor(order["src_ids"], dtype=torch.int32)
+        dst = torch.tensor(order["dst_ids"], dtype=torch.int32)
         live = L - k_old * bs
         rule = order.get("rule", self.cfg.rule)
         scorer = self.scorer_for(rule)
         t0 = time.perf_counter()
         select_s = 0.0
         new_positions = []
+        slots = torch.arange(keep).expand(self.num_kv_heads, keep)
         for li, _ in self.layers:
             cache = self.caches[li]
-            k_all, v_all = self.layout.read(cache, src)
-            keys, values = k_all[:, :live], v_all[:, :live]
+            keys, values = gather_kv(cache, self.layout, src, live)  # a copy: safe to overwrite after
             pos = self._positions(st, li, L, live)  # [H, live]
             ts = time.perf_counter()
             try:
-                scores = self._score(scorer, li, keys, values, pos, L, st)
+                kept = self._select(scorer, li, cache, src, keys, values, pos, L, keep, st)  # [H, keep]
             except Exception:  # a scoring bug must not kill the engine: keep the most recent instead
                 logger.exception("kvp-vllm: rule %s failed on layer %d of request %s; falling back "
                                  "to recency for this layer", rule, li, rid)
                 metrics().scoring_errors.labels(rule).inc()
-                scores = pos.float()
-            kept = select_topb(scores, keep, self.cfg.n_sink, self.cfg.n_recent)  # [H, keep]
+                kept = select_topb(pos.float(), keep, self.cfg.n_sink, self.cfg.n_recent)
             select_s += time.perf_counter() - ts
-            self.layout.write_prefix(cache, dst, gather_kept(keys, kept), gather_kept(values, kept))
+            scatter_kv_tokens(cache, self.layout, dst, slots, gather_kept(keys, kept),
+                              gather_kept(values, kept))
             new_positions.append(torch.gather(pos, 1, kept))
         st.positions = torch.stack(new_positions)
         st.kept_len = L
@@ -214,6 +217,19 @@ class WorkerEviction:
         grown = torch.arange(st.kept_len, L).expand(h, L - st.kept_len)
         return torch.cat([kept, grown], dim=1)
 
+    def _select(self, scorer, layer: int, cache, src, keys, values, pos, L: int, keep: int,
+                st: RequestEviction) -> torch.Tensor:
+        """Kept slots [H, keep] (ascending) of one layer."""
+        if scorer.name == "kvp":  # fused score + select straight from the paged cache
+            sel = paged_score_select(scorer.policy, layer, cache, self.layout, src[None], [keys.shape[1]],
+                                     [keep], self.cfg.n_sink, self.cfg.n_recent, positions=pos[None],
+                                     position_lengths=[L])
+            if int(sel.counts[0]) != keep:
+                raise RuntimeError(f"kvp-vllm: the kernel kept {int(sel.counts[0])} tokens, ordered {keep}")
+            return sel.kept[0, :, :keep].long()
+        scores = self._score(scorer, layer, keys, values, pos, L, st)
+        return select_topb(scores, keep, self.cfg.n_sink, self.cfg.n_recent)
+
     def _score(self, scorer, layer: int, keys, values, pos, L: int, st: RequestEviction) -> torch.Tensor:
         keys, values = keys.float(), values.float()
         queries = None
@@ -226,11 +242,6 @@ class WorkerEviction:
         if shared:
             return scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
         g = self.num_q_heads // self.num_kv_heads
-        if scorer.name == "kvp":  # each head is its own MLP: score head by head with its positions
-            policy, h_all = scorer.policy, self.num_kv_heads
-            return torch.cat([policy.forward(keys[h:h + 1], values[h:h + 1], pos[h], length=L,
-                                             groups=slice(layer * h_all + h, layer * h_all + h + 1))
-                              for h in range(h_all)], dim=0)
         out = []
         for h in range(self.num_kv_heads):
             qh = None if queries is None else queries[h * g:(h + 1) * g]

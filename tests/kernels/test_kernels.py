@@ -220,6 +220,31 @@ def test_score_select_explicit_positions(seed):
                        position_lengths=[400, 1200], check_dispatcher=True)
 
 
+def test_score_select_per_head_positions(seed):
+    """After a compaction each KV head keeps different tokens: positions [B, H, T] per head."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [90, 50]
+    positions = torch.stack([torch.stack([torch.sort(torch.randperm(400, generator=g)[:100]).values
+                                          for _ in range(2)]) for _ in lens])  # [B, H=2, 100]
+    check_score_select("cpu", 64, 16, torch.bfloat16, lens, [40, 24], seed, positions=positions,
+                       position_lengths=[400, 450], check_dispatcher=True)
+
+
+def test_per_head_positions_reach_each_head():
+    """Giving head 1 other positions changes head 1's scores only (the reference path)."""
+    policy = KVPPolicy.random_init(ModelShape(2, 2, 64), seed=3)
+    cache, table = make_paged("cpu", [60], 2, 64, 16, torch.float32)
+    same = torch.arange(60).expand(1, 2, 60).clone()
+    other = same.clone()
+    other[0, 1] = torch.arange(60) * 5
+    a = score_select_ref(policy, 1, cache, "cpu", table, [60], [30], N_SINK, N_RECENT, same, [300],
+                         return_scores=True).scores
+    b = score_select_ref(policy, 1, cache, "cpu", table, [60], [30], N_SINK, N_RECENT, other, [300],
+                         return_scores=True).scores
+    assert torch.equal(a[0, 0], b[0, 0])
+    assert not torch.allclose(a[0, 1], b[0, 1])
+
+
 # ------------------------------------------------------------------------------------------------
 # compaction (byte-exact)
 

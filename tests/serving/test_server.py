@@ -133,6 +133,8 @@ def test_every_rule_runs_through_the_server(server):
         # One compaction after prefill and one during decoding (24 new tokens > interval).
         assert metric(url, "kvp_compactions_total", rule=r) - before[r] >= 2, r
         assert metric(url, "kvp_selection_latency_seconds_count", rule=r) >= 2, r
+        # the decode-time compaction rescored per-head positions without falling back to recency
+        assert metric(url, "kvp_scoring_errors_total", rule=r) == 0, r
 
 
 def _needle_prompts(n=4, seed=0):
@@ -261,7 +263,17 @@ def test_bad_request_inputs_are_http_400(server, xargs, needle):
         client.chat.completions.create(model=MODEL_NAME, max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}],
                                        extra_body={"vllm_xargs": xargs})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2,
+                                extra_body={"vllm_xargs": xargs})
+    assert needle in str(err.value)
     assert _complete(client, "Hello", 2).choices[0].text is not None  # still serving
+
+
+def test_responses_endpoint_accepts_a_per_request_budget(server):
+    r = _client(server).responses.create(model=MODEL_NAME, input="Say hello.", max_output_tokens=4,
+                                         temperature=0, extra_body={"vllm_xargs": {"kv_budget": 64}})
+    assert r.output_text
 
 
 # -- metrics ----------------------------------------------------------------------------------------
