@@ -80,20 +80,26 @@ class Sampler(threading.Thread):
             self.stop_event.wait(self.period)
 
 
+NEEDLE_TASKS = ("niah_single_repeat", "niah_single_essay", "niah_single_words")
+
+
 def workload(cfg: dict, seed: int) -> List[dict]:
-    """Needle prompts in the chat template with the answer primed ("The pass key is"), as the demo."""
+    """Needle-in-a-haystack prompts from the evaluation harness's generators (kvp_vllm.eval.tasks),
+    chat template included, at lengths drawn from [min_tokens, max_tokens]; the three single-needle
+    tasks in turn. An answer is correct when it contains the needle's value (RULER scoring)."""
     from transformers import AutoTokenizer
 
     from kvp_vllm.assets import smollm2_path
-    from kvp_vllm.demo import needle_prompt
+    from kvp_vllm.eval.tasks import Renderer, make_sample
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
+    renderer = Renderer(tok)
     rng = random.Random(seed)
     items, t = [], 0.0
     for i in range(cfg["requests"]):
-        n_filler = rng.randint(cfg["min_tokens"], cfg["max_tokens"]) // FILLER_TOKENS
-        ids, key = needle_prompt(tok, n_filler, seed * 1000 + i)
-        items.append(dict(id=i, prompt=ids[0].tolist(), key=key, arrival=t))
+        length = rng.randint(cfg["min_tokens"], cfg["max_tokens"])
+        sample = make_sample(NEEDLE_TASKS[i % len(NEEDLE_TASKS)], tok, length, i, seed, renderer=renderer)
+        items.append(dict(id=i, prompt=list(sample.prompt_ids), answers=sample.answers, arrival=t))
         if cfg["rate"] > 0:  # Poisson arrivals; rate 0 = one burst
             t += rng.expovariate(cfg["rate"])
     return items
@@ -101,6 +107,8 @@ def workload(cfg: dict, seed: int) -> List[dict]:
 
 async def drive(url: str, items: List[dict], output_tokens: int) -> List[dict]:
     import openai
+
+    from kvp_vllm.eval.tasks import score_answers
 
     t0 = time.perf_counter()
 
@@ -110,7 +118,9 @@ async def drive(url: str, items: List[dict], output_tokens: int) -> List[dict]:
         stamps, text = [], []
         stream = await client.completions.create(
             model=MODEL_NAME, prompt=item["prompt"], max_tokens=output_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            stream=True, stream_options={"include_usage": True},
+            # every request makes exactly output_tokens in both runs: throughput compares like with like
+            extra_body={"ignore_eos": True})
         usage = None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -124,7 +134,8 @@ async def drive(url: str, items: List[dict], output_tokens: int) -> List[dict]:
         tpot = (stamps[-1] - stamps[0]) / max(n_out - 1, 1) if len(stamps) > 1 else None
         return dict(id=item["id"], prompt_tokens=usage.prompt_tokens if usage else None,
                     output_tokens=n_out, ttft=ttft, tpot=tpot, start=sent - t0,
-                    end=time.perf_counter() - t0, correct=item["key"] in answer, answer=answer)
+                    end=time.perf_counter() - t0, correct=score_answers(answer, item["answers"])[0],
+                    answer=answer)
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=1800, max_retries=0) as client:
         return await asyncio.gather(*(one(i) for i in items))
@@ -207,16 +218,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--budget", type=int, help="tokens kept per KV head (default ~25%% of the prompt)")
     p.add_argument("--requests", type=int)
     p.add_argument("--pool-blocks", type=int, help="fixed KV block pool of both servers")
+    p.add_argument("--output-tokens", type=int, help="tokens generated per request (EOS ignored)")
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (0 = one burst)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and the plot")
     args = p.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
-    for key in ("budget", "requests", "pool_blocks", "rate"):
+    for key in ("budget", "requests", "pool_blocks", "output_tokens", "rate"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    if cfg["budget"] < 20 or cfg["requests"] < 1 or cfg["pool_blocks"] < 1:
-        p.error("--budget must be >= 20, --requests and --pool-blocks >= 1")
+    if cfg["budget"] < 20 or cfg["requests"] < 1 or cfg["pool_blocks"] < 1 or cfg["output_tokens"] < 1:
+        p.error("--budget must be >= 20, --requests, --pool-blocks and --output-tokens >= 1")
     items = workload(cfg, args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="kvp-serving-bench-"))
     runs = [run_server("no-eviction", cfg, [], items, workdir),

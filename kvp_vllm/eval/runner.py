@@ -14,6 +14,7 @@ prefill is redone, the stored full-cache answer is reused).
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import math
 import os
@@ -179,11 +180,16 @@ def read_rows(path: Path) -> List[Dict]:
 
 
 def append_rows(path: Path, rows: Iterable[Dict]) -> None:
+    """Append under an exclusive lock: processes running disjoint --tasks may share one folder."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
     with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def row_key(r: Dict) -> Tuple:
@@ -359,14 +365,18 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     extra = {"this_invocation": {"samples_computed": computed, "seconds": round(elapsed, 1),
                                  "stopped_by_time_limit": stopped_early,
                                  "seconds_by_stage": {k: round(v, 1) for k, v in timings.items()}}}
-    results = write_outputs(out_dir, cfg, rows, extra)
-    if not plots:
-        return results
-    try:
-        from .plots import plot_all
-        plot_all(results["aggregate"], out_dir)
-    except Exception as e:  # plots are a convenience; the numbers are already written
-        log(f"warning: plotting failed: {e}")
+    # Another process (disjoint --tasks) may share the folder: under one lock, report every stored
+    # row, so whichever process writes last writes the complete results.
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = list({row_key(r): r for r in read_rows(store)}.values())
+        results = write_outputs(out_dir, cfg, rows, extra)
+        if plots:
+            try:
+                from .plots import plot_all
+                plot_all(results["aggregate"], out_dir)
+            except Exception as e:  # plots are a convenience; the numbers are already written
+                log(f"warning: plotting failed: {e}")
     return results
 
 

@@ -68,6 +68,31 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
     assert any(a["rule"] == "knorm" and a["n"] == 2 for a in agg)
 
 
+def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model, tokenizer):
+    """Two runs with disjoint --tasks write one folder at the same time; nothing is lost and the
+    results of whichever finishes last report both."""
+    import threading
+
+    def cfg(task):
+        return EvalConfig(tasks=[task], lengths=[256], samples=2, budgets=[32], rules=["random"],
+                          protocols=["query_aware"])
+
+    out = {}
+    threads = [threading.Thread(target=lambda t=t: out.__setitem__(t, run(
+        cfg(t), small_model, tokenizer, tmp_path, progress=False, plots=False)))
+        for t in ("niah_single_repeat", "niah_single_words")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert len(rows) == len({row_key(r) for r in rows}) == 2 * 2 * 2  # 2 tasks x 2 samples x (full, random)
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert final["measured"]["rows"] == len(rows)
+    assert final["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2,
+                                                               "niah_single_words/256": 2}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "nope"], "unknown task"),
     (["--rules", "nope"], "unknown rule"),

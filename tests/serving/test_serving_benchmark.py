@@ -28,7 +28,9 @@ def test_serving_benchmark_quick(tmp_path):
         assert run["ttft_p50"] > 0 and run["ttft_p99"] >= run["ttft_p50"]
         assert run["timeline"] and run["peak_running"] >= 1
         assert 0.0 <= run["accuracy"] <= 1.0
-        assert all(r["prompt_tokens"] >= 400 for r in run["per_request"])
+        # the harness's needle prompts fit their target length, answer room left (within 10%)
+        assert all(0.9 * cfg["min_tokens"] <= r["prompt_tokens"] <= cfg["max_tokens"]
+                   for r in run["per_request"])
     assert base["tokens_evicted"] == 0 and base["blocks_freed"] == 0
     assert ev["tokens_evicted"] > 0 and ev["blocks_freed"] > 0, "eviction freed nothing"
     assert ev["selection_seconds"] > 0 and ev["selection_share_of_prefill"] is not None
