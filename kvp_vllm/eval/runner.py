@@ -245,6 +245,56 @@ def aggregate(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def task_average(rows: List[Dict]) -> List[Dict]:
+    """Accuracy averaged over the question-answering tasks, per (length, protocol, rule, budget), on
+    the samples that have a row for every (rule, budget) of their protocol and length - so rules
+    added later (or samples cut short) are compared on the same samples."""
+    qa = [r for r in rows if r.get("kind", "qa") == "qa"]
+    combos: Dict[Tuple, set] = defaultdict(set)
+    samples: Dict[Tuple, Dict[Tuple, Dict]] = defaultdict(dict)
+    for r in qa:
+        combos[(r["length"], r["protocol"])].add((r["rule"], r["budget"]))
+        samples[(r["task"], r["length"], r["index"], r["protocol"])][(r["rule"], r["budget"])] = r
+    per_task: Dict[Tuple, List[bool]] = defaultdict(list)
+    counted: Dict[Tuple, set] = defaultdict(set)
+    for (task, length, index, protocol), got in samples.items():
+        if set(got) != combos[(length, protocol)]:
+            continue
+        counted[(length, protocol)].add((task, index))
+        for (rule, budget), r in got.items():
+            per_task[(length, protocol, rule, budget, task)].append(bool(r["correct"]))
+    by_cell: Dict[Tuple, List[float]] = defaultdict(list)
+    for (length, protocol, rule, budget, task), hits in per_task.items():
+        by_cell[(length, protocol, rule, budget)].append(sum(hits) / len(hits))
+    return [{"length": length, "protocol": protocol, "rule": rule, "budget": budget,
+             "accuracy": sum(accs) / len(accs), "tasks": len(accs),
+             "samples": len(counted[(length, protocol)])}
+            for (length, protocol, rule, budget), accs in sorted(
+                by_cell.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], _budget_sort(kv[0][3])))]
+
+
+def task_average_table(avg: List[Dict], protocol: str, length: int) -> str:
+    """Markdown: one line per rule, one column per budget (task-averaged accuracy), full cache beside."""
+    cells = [a for a in avg if a["protocol"] == protocol and a["length"] == length]
+    if not cells:
+        return ""
+    budgets = sorted({a["budget"] for a in cells if a["rule"] != FULL}, key=_budget_sort)
+    full = next((a for a in cells if a["rule"] == FULL), None)
+    by_rule: Dict[str, Dict[str, float]] = defaultdict(dict)
+    for a in cells:
+        if a["rule"] != FULL:
+            by_rule[a["rule"]][a["budget"]] = a["accuracy"]
+    lines = [f"| rule | " + " | ".join(f"b={b}" for b in budgets) + " | full |",
+             "|" + "---|" * (len(budgets) + 2)]
+    mid = [b for b in budgets if b in ("128", "256", "512")] or budgets
+    for rule, accs in sorted(by_rule.items(), key=lambda kv: -sum(kv[1].get(b, 0) for b in mid)):
+        lines.append(f"| {rule} | " + " | ".join(f"{accs[b]:.3f}" if b in accs else "" for b in budgets)
+                     + (f" | {full['accuracy']:.3f} |" if full else " | |"))
+    n = cells[0]
+    return (f"{n['tasks']} tasks, {n['samples']} samples with every rule and budget\n\n"
+            + "\n".join(lines))
+
+
 def _budget_sort(label: str):
     if label == FULL:
         return (2, 0.0)
@@ -299,6 +349,7 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
                   "delta_logprob_per_token = teacher-forced log-likelihood of the gold answer per "
                   "token under the compressed cache minus the full cache (0 = no loss)"],
         "aggregate": agg,
+        "task_average": task_average(rows),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_csv(out_dir / "per_sample.csv", rows, CSV_ROW_FIELDS)

@@ -133,3 +133,25 @@ def test_real_model_sanity(tokenizer):
         assert by["full"]["correct"], by["full"]["output"]
         assert by["oracle"]["correct"], by["oracle"]["output"]
         assert by["oracle"]["gold_logprob"] >= by["random"]["gold_logprob"]
+
+
+def test_task_average_compares_rules_on_the_same_samples():
+    from kvp_vllm.eval.runner import task_average, task_average_table
+
+    def row(task, index, rule, budget, correct):
+        return dict(task=task, length=256, index=index, protocol="query_aware", rule=rule, budget=budget,
+                    correct=correct, kind="qa")
+
+    rows = [row("a", 0, "full", "full", True), row("a", 0, "x", "64", True), row("a", 0, "y", "64", False),
+            row("a", 1, "full", "full", True), row("a", 1, "x", "64", False), row("a", 1, "y", "64", True),
+            row("b", 0, "full", "full", False), row("b", 0, "x", "64", True), row("b", 0, "y", "64", True),
+            # sample 1 of task b lacks rule y: left out for every rule
+            row("b", 1, "full", "full", True), row("b", 1, "x", "64", True),
+            dict(row("p", 0, "x", "64", None), kind="ppl")]
+    avg = {(a["rule"], a["budget"]): a for a in task_average(rows)}
+    assert avg[("x", "64")]["accuracy"] == pytest.approx((0.5 + 1.0) / 2)  # task a: 1/2, task b: 1/1
+    assert avg[("y", "64")]["accuracy"] == pytest.approx((0.5 + 1.0) / 2)
+    assert avg[("full", "full")]["accuracy"] == pytest.approx((1.0 + 0.0) / 2)
+    assert avg[("x", "64")]["tasks"] == 2 and avg[("x", "64")]["samples"] == 3
+    table = task_average_table(task_average(rows), "query_aware", 256)
+    assert "| x | 0.750 | 0.500 |" in table and "3 samples" in table
