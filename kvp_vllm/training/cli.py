@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", default=None, help="KVP policy folder (omit: baselines only)")
     e.add_argument("--split", default="test", choices=["test", "val", "train", "all"])
     e.add_argument("--max-traces", type=int, default=0)
+    e.add_argument("--lengths", type=_ints, default=None,
+                   help="only traces collected at these target lengths (e.g. 4096,8192)")
     e.add_argument("--out", default=None, help="JSON file (a .md table is written beside it)")
     e.add_argument("--show-layers", type=_ints, default=None)
     e.add_argument("--no-progress", action="store_true")
@@ -123,13 +125,17 @@ def evaluate_cmd(args, command: str) -> None:
     traces = TraceSet(args.traces)
     policy = KVPPolicy.load(args.checkpoint, expect=traces.shape) if args.checkpoint else None
     ids = traces.split(args.split)
+    if args.lengths:
+        ids = [t for t in ids if traces.meta(t)["target_tokens"] in set(args.lengths)]
     if args.max_traces:
         ids = ids[:args.max_traces]
     if not ids:
-        raise ValueError(f"split {args.split!r} of {traces.folder} is empty")
+        raise ValueError(f"split {args.split!r} of {traces.folder} has no traces"
+                         + (f" of length {args.lengths}" if args.lengths else ""))
     res = evaluate_rules(traces, ids, default_rules(policy), progress=not args.no_progress)
     res.update(model=traces.shape.model_name, split=args.split, checkpoint=args.checkpoint,
-               traces_folder=str(traces.folder), command=command,
+               traces_folder=str(traces.folder), command=command, lengths=args.lengths,
+               prompt_tokens=[traces.meta(t)["n_prompt"] for t in ids],
                trace_config=traces.manifest["config"])
     n = traces.shape.num_layers
     show = args.show_layers or tuple(sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1}))
