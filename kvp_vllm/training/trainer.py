@@ -57,6 +57,8 @@ class FitConfig:
     arch: Dict = field(default_factory=dict)   # PolicyConfig overrides (e.g. hidden_dim)
     init: Optional[str] = None     # start from this checkpoint
     device: str = "auto"
+    precision: str = "auto"        # policy forward: "auto" (bf16 autocast on CUDA, fp32 elsewhere),
+                                   # "bf16" or "fp32"; weights, optimiser and the loss stay fp32
     n_sink: int = DEFAULT_SINKS
     n_recent: int = DEFAULT_RECENT
     cache_traces: bool = True      # keep the training traces in memory after their first read
@@ -108,6 +110,12 @@ def _device(spec: str, local_rank: int) -> torch.device:
     return torch.device(spec)
 
 
+def use_bf16(precision: str, device: torch.device) -> bool:
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be auto, bf16 or fp32; got {precision!r}")
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
 def trace_loss(model, data: Dict[str, torch.Tensor], groups: slice, cfg: FitConfig, device,
                generator) -> tuple:
     n = data["keys"].shape[1]
@@ -120,7 +128,7 @@ def trace_loss(model, data: Dict[str, torch.Tensor], groups: slice, cfg: FitConf
     if cfg.max_tokens and m > cfg.max_tokens:
         idx = torch.randperm(m, generator=generator)[:cfg.max_tokens].sort().values.to(device)
         keys, values, c, pos = keys[:, idx], values[:, idx], c[:, idx], pos[idx]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16(cfg.precision, device)):
         scores = model(keys, values, pos, n, groups)
     return rloo_loss(scores.float(), c, samples=cfg.samples, clip=cfg.adv_clip, generator=generator)
 
@@ -191,6 +199,7 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
 
     world, rank, local = _dist_info()
     device = _device(cfg.device, local)
+    use_bf16(cfg.precision, device)  # a bad --precision fails before anything is read or written
     traces = TraceSet(cfg.traces)  # errors out on a missing/corrupt manifest before anything is written
     shape = traces.shape
     layers = parse_layers(cfg.layers, shape.num_layers)

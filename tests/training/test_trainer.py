@@ -29,6 +29,30 @@ def test_fit_writes_a_loadable_policy_log_and_plot(tiny_traces, tmp_path):
     assert policy.config.num_layers == 3
 
 
+def test_bf16_autocast_path_trains_an_fp32_policy(tiny_traces, tmp_path):
+    """The GPU default (bf16 autocast around the policy forward) exercised on CPU: the matmuls really
+    run in bf16, the loss and gradients are finite, the exported weights are fp32."""
+    from kvp_vllm.training.trainer import trace_loss, use_bf16
+
+    ts = TraceSet(tiny_traces)
+    model = KVPPolicy.random_init(ts.shape, seed=0)
+    seen = []
+    model.out.register_forward_hook(lambda m, i, o: seen.append(o.dtype))  # the last matmul
+    cfg = FitConfig(traces=str(tiny_traces), out="", precision="bf16", samples=4)
+    loss, _ = trace_loss(model, ts.load(ts.split("train")[0], 1), slice(2, 4), cfg, torch.device("cpu"),
+                         torch.Generator().manual_seed(0))
+    loss.backward()
+    assert seen == [torch.bfloat16] and torch.isfinite(loss)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert use_bf16("auto", torch.device("cuda")) and not use_bf16("auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match="precision"):
+        use_bf16("fp8", torch.device("cpu"))
+    out = fit(FitConfig(traces=str(tiny_traces), out=str(tmp_path / "bf16"), steps=3, batch=2, samples=4,
+                        warmup=1, eval_every=3, precision="bf16"), progress=False)
+    policy = KVPPolicy.load(out, expect=ts.shape)
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+
+
 def test_layer_range_and_lr_schedule(tiny_traces, tmp_path):
     assert list(parse_layers("1-2", 3)) == [1, 2] and list(parse_layers("all", 3)) == [0, 1, 2]
     with pytest.raises(ValueError):
