@@ -144,13 +144,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             fail(f"length {length} is above the model's context of {max_ctx} tokens")
     out = Path(args.out or f"benchmarks/results/eval_{Path(args.model).name}")
 
-    from .runner import EvalConfig, read_rows, run, write_outputs
+    from .runner import EvalConfig, checkpoint_sha256, current_rows, read_rows, run, write_outputs
 
     cfg = EvalConfig(tasks=tasks, lengths=lengths, samples=args.samples, budgets=budgets, rules=rules,
                      protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint)
     if args.report_only:
         from .plots import plot_all
-        rows = read_rows(out / "rows.jsonl")
+        rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint))
         if not rows:
             fail(f"no stored rows in {out}")
         res = write_outputs(out, cfg, rows, {"report_only": True})

@@ -8,7 +8,9 @@ Storage (in the output folder):
 
 Resuming: a sample is skipped when every requested (protocol, rule, budget) row of it is stored; when
 only some rules are missing (e.g. KVP added later with --checkpoint) only those are computed (the
-prefill is redone, the stored full-cache answer is reused).
+prefill is redone, the stored full-cache answer is reused). KVP rows record the sha256 of the policy
+weights that made them; after the checkpoint changes they count as missing and are recomputed (the
+newest row of a key wins), so one folder never mixes two policies.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
                  output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
                  agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
+        if rule == "kvp":
+            r["checkpoint_sha256"] = checkpoint_sha256(checkpoint)
         return r
 
     rows: List[Dict] = []
@@ -140,7 +144,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
             label = budget_label(budget)
             if b >= cache_len:  # keeps everything: identical to the full cache
                 for name in scorers:
-                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None))
+                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None,
+                                     **({"checkpoint_sha256": checkpoint_sha256(checkpoint)}
+                                        if name == "kvp" else {})))
                 continue
             t0 = time.perf_counter()
             for name in scorers:
@@ -190,6 +196,24 @@ def append_rows(path: Path, rows: Iterable[Dict]) -> None:
             os.fsync(f.fileno())
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def checkpoint_sha256(checkpoint: Optional[str]) -> Optional[str]:
+    """The weights' sha256 recorded in a policy folder's config.json (None without a checkpoint)."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint) / "config.json"
+    return json.loads(path.read_text()).get("weights_sha256") if path.exists() else None
+
+
+def is_current(r: Dict, kvp_sha: Optional[str]) -> bool:
+    """False for a KVP row made by another policy than the current checkpoint."""
+    return r["rule"] != "kvp" or r.get("checkpoint_sha256") == kvp_sha
+
+
+def current_rows(rows: List[Dict], kvp_sha: Optional[str]) -> List[Dict]:
+    """The newest row of every key, without KVP rows of another policy."""
+    return [r for r in {row_key(r): r for r in rows}.values() if is_current(r, kvp_sha)]
 
 
 def row_key(r: Dict) -> Tuple:
@@ -375,8 +399,9 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     else:
         meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
     store = out_dir / "rows.jsonl"
+    kvp_sha = checkpoint_sha256(cfg.checkpoint)
     rows = read_rows(store)
-    have = {row_key(r): r for r in rows}
+    have = {row_key(r): r for r in rows if is_current(r, kvp_sha)}  # a stale KVP row counts as missing
     renderer = Renderer(tokenizer)
     # Interleave tasks (sample index outermost) so an interrupted run covers every task evenly.
     plan = [(i, length, task) for i in range(cfg.samples) for length in cfg.lengths for task in cfg.tasks]
@@ -420,7 +445,7 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     # row, so whichever process writes last writes the complete results.
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rows = list({row_key(r): r for r in read_rows(store)}.values())
+        rows = current_rows(read_rows(store), kvp_sha)
         results = write_outputs(out_dir, cfg, rows, extra)
         if plots:
             try:

@@ -155,3 +155,31 @@ def test_task_average_compares_rules_on_the_same_samples():
     assert avg[("x", "64")]["tasks"] == 2 and avg[("x", "64")]["samples"] == 3
     table = task_average_table(task_average(rows), "query_aware", 256)
     assert "| x | 0.750 | 0.500 |" in table and "3 samples" in table
+
+
+def test_kvp_rows_are_recomputed_when_the_policy_changes(tmp_path, small_model, tokenizer):
+    """A folder never mixes two KVP policies: rows carry the weights' sha256; after the checkpoint
+    changes they count as missing, are recomputed, and only the new ones are reported."""
+    from kvp_vllm.policy import KVPPolicy, ModelShape
+
+    shape = ModelShape(2, 2, 8, "tiny")
+    KVPPolicy.random_init(shape, seed=1).save(tmp_path / "p1")
+    KVPPolicy.random_init(shape, seed=2).save(tmp_path / "p2")
+
+    def cfg(ck):
+        return EvalConfig(tasks=["niah_single_repeat"], lengths=[256], samples=1, budgets=[32],
+                          rules=["kvp", "random"], protocols=["query_aware"], checkpoint=str(tmp_path / ck))
+
+    out = tmp_path / "run"
+    run(cfg("p1"), small_model, tokenizer, out, progress=False, plots=False)
+    sha = {ck: json.loads((tmp_path / ck / "config.json").read_text())["weights_sha256"] for ck in ("p1", "p2")}
+    first = read_rows(out / "rows.jsonl")
+    assert {r.get("checkpoint_sha256") for r in first if r["rule"] == "kvp"} == {sha["p1"]}
+    assert run(cfg("p1"), small_model, tokenizer, out, progress=False,
+               plots=False)["measured"]["this_invocation"]["samples_computed"] == 0
+    res = run(cfg("p2"), small_model, tokenizer, out, progress=False, plots=False)
+    assert res["measured"]["this_invocation"]["samples_computed"] == 1
+    added = read_rows(out / "rows.jsonl")[len(first):]
+    assert [r["rule"] for r in added] == ["kvp"]  # only KVP was recomputed (full, random reused)
+    assert added[0]["checkpoint_sha256"] == sha["p2"]
+    assert res["measured"]["rows"] == len(first)  # the stale KVP row is not reported
