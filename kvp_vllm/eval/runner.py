@@ -269,6 +269,19 @@ def aggregate(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def complete_rows(rows: List[Dict]) -> List[Dict]:
+    """Rows of the samples that have a row for every (rule, budget) seen at their length and protocol:
+    every rule is then aggregated over the same samples (a rule added later, or a run cut short,
+    would otherwise be averaged over a different subset)."""
+    combos: Dict[Tuple, set] = defaultdict(set)
+    got: Dict[Tuple, set] = defaultdict(set)
+    for r in rows:
+        combos[(r["length"], r["protocol"])].add((r["rule"], r["budget"]))
+        got[(r["task"], r["length"], r["index"], r["protocol"])].add((r["rule"], r["budget"]))
+    return [r for r in rows
+            if got[(r["task"], r["length"], r["index"], r["protocol"])] == combos[(r["length"], r["protocol"])]]
+
+
 def task_average(rows: List[Dict]) -> List[Dict]:
     """Accuracy averaged over the question-answering tasks, per (length, protocol, rule, budget), on
     the samples that have a row for every (rule, budget) of their protocol and length - so rules
@@ -356,7 +369,7 @@ def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
 
 
 def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict) -> Dict:
-    agg = aggregate(rows)
+    agg = aggregate(complete_rows(rows))
     settings = {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]}
     if cfg.checkpoint and (Path(cfg.checkpoint) / "config.json").exists():
         ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
@@ -370,6 +383,8 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
                         "machine": platform.machine(), "threads": torch.get_num_threads()},
         "notes": ["perplexity task: both protocols coincide (no question), reported as query_aware",
                   "accuracy = every expected answer present in the greedy output (RULER exact match)",
+                  "aggregates cover the samples that have every rule and budget (the same samples "
+                  "for every rule); per_sample.csv has every row",
                   "delta_logprob_per_token = teacher-forced log-likelihood of the gold answer per "
                   "token under the compressed cache minus the full cache (0 = no loss)"],
         "aggregate": agg,

@@ -153,6 +153,9 @@ def test_task_average_compares_rules_on_the_same_samples():
     assert avg[("y", "64")]["accuracy"] == pytest.approx((0.5 + 1.0) / 2)
     assert avg[("full", "full")]["accuracy"] == pytest.approx((1.0 + 0.0) / 2)
     assert avg[("x", "64")]["tasks"] == 2 and avg[("x", "64")]["samples"] == 3
+    from kvp_vllm.eval.runner import complete_rows
+    kept = complete_rows([r for r in rows if r["kind"] == "qa"])
+    assert len(kept) == 9 and not any(r["task"] == "b" and r["index"] == 1 for r in kept)
     table = task_average_table(task_average(rows), "query_aware", 256)
     assert "| x | 0.750 | 0.500 |" in table and "3 samples" in table
 
