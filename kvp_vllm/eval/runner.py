@@ -406,13 +406,15 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
 
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "run.json"
-    if meta_path.exists():
-        stored = json.loads(meta_path.read_text())
-        if stored.get("identity") != cfg.identity():
-            raise SystemExit(f"error: {out_dir} holds a run with other settings {stored.get('identity')}"
-                             f" (now {cfg.identity()}); use another --out folder")
-    else:
-        meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
+    with open(out_dir / ".lock", "w") as lock:  # processes sharing a new folder: one creates run.json
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if meta_path.exists():
+            stored = json.loads(meta_path.read_text())
+            if stored.get("identity") != cfg.identity():
+                raise SystemExit(f"error: {out_dir} holds a run with other settings {stored.get('identity')}"
+                                 f" (now {cfg.identity()}); use another --out folder")
+        else:
+            meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
     store = out_dir / "rows.jsonl"
     kvp_sha = checkpoint_sha256(cfg.checkpoint)
     rows = read_rows(store)
