@@ -110,6 +110,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         future = P.oracle_importance(model, pre, answer if sample.kind == "qa" else sample.gold_ids)
         timings["oracle_future"] += time.perf_counter() - t0
     scorers = make_scorers([r for r in rules if r != FULL], sample, checkpoint, scorer_cache)
+    kvp_stamp = {"checkpoint_sha256": checkpoint_sha256(checkpoint)} if "kvp" in scorers else {}
 
     def row(protocol, rule, label, kept, cache_len, out: P.Outcome):
         text = tokenizer.decode([t for t in out.tokens if t not in eos], skip_special_tokens=True)
@@ -117,9 +118,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
                  output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
                  agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
-        if rule == "kvp":
-            r["checkpoint_sha256"] = checkpoint_sha256(checkpoint)
-        return r
+        return dict(r, **kvp_stamp) if rule == "kvp" else r
 
     rows: List[Dict] = []
     for protocol in protos:
@@ -145,8 +144,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
             if b >= cache_len:  # keeps everything: identical to the full cache
                 for name in scorers:
                     rows.append(dict(full_row, rule=name, budget=label, answer_ids=None,
-                                     **({"checkpoint_sha256": checkpoint_sha256(checkpoint)}
-                                        if name == "kvp" else {})))
+                                     **(kvp_stamp if name == "kvp" else {})))
                 continue
             t0 = time.perf_counter()
             for name in scorers:
@@ -284,22 +282,12 @@ def complete_rows(rows: List[Dict]) -> List[Dict]:
 
 def task_average(rows: List[Dict]) -> List[Dict]:
     """Accuracy averaged over the question-answering tasks, per (length, protocol, rule, budget), on
-    the samples that have a row for every (rule, budget) of their protocol and length - so rules
-    added later (or samples cut short) are compared on the same samples."""
-    qa = [r for r in rows if r.get("kind", "qa") == "qa"]
-    combos: Dict[Tuple, set] = defaultdict(set)
-    samples: Dict[Tuple, Dict[Tuple, Dict]] = defaultdict(dict)
-    for r in qa:
-        combos[(r["length"], r["protocol"])].add((r["rule"], r["budget"]))
-        samples[(r["task"], r["length"], r["index"], r["protocol"])][(r["rule"], r["budget"])] = r
+    the samples that have every (rule, budget) (see complete_rows)."""
     per_task: Dict[Tuple, List[bool]] = defaultdict(list)
     counted: Dict[Tuple, set] = defaultdict(set)
-    for (task, length, index, protocol), got in samples.items():
-        if set(got) != combos[(length, protocol)]:
-            continue
-        counted[(length, protocol)].add((task, index))
-        for (rule, budget), r in got.items():
-            per_task[(length, protocol, rule, budget, task)].append(bool(r["correct"]))
+    for r in complete_rows([r for r in rows if r.get("kind", "qa") == "qa"]):
+        counted[(r["length"], r["protocol"])].add((r["task"], r["index"]))
+        per_task[(r["length"], r["protocol"], r["rule"], r["budget"], r["task"])].append(bool(r["correct"]))
     by_cell: Dict[Tuple, List[float]] = defaultdict(list)
     for (length, protocol, rule, budget, task), hits in per_task.items():
         by_cell[(length, protocol, rule, budget)].append(sum(hits) / len(hits))
@@ -371,9 +359,8 @@ def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
 def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict) -> Dict:
     agg = aggregate(complete_rows(rows))
     settings = {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]}
-    if cfg.checkpoint and (Path(cfg.checkpoint) / "config.json").exists():
-        ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
-        settings["checkpoint_weights_sha256"] = ck.get("weights_sha256")
+    if checkpoint_sha256(cfg.checkpoint):
+        settings["checkpoint_weights_sha256"] = checkpoint_sha256(cfg.checkpoint)
     results = {
         "settings": settings,
         "measured": {"samples_per_task_all_rules": samples_done(rows, cfg.rules),
