@@ -25,9 +25,9 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from ..kernels import gather_kv, paged_score_select, scatter_kv_tokens
+from ..kernels import gather_kv, gather_kv_tokens, paged_score_select, scatter_kv_tokens
 from ..scorers import LayerKV, make_scorer
-from ..selection import gather_kept, select_topb
+from ..selection import select_topb
 from .config import EvictionConfig, request_budget, request_rule
 from .metrics import metrics
 
@@ -187,19 +187,19 @@ class WorkerEviction:
         slots = torch.arange(keep).expand(self.num_kv_heads, keep)
         for li, _ in self.layers:
             cache = self.caches[li]
-            keys, values = gather_kv(cache, self.layout, src, live)  # a copy: safe to overwrite after
             pos = self._positions(st, li, L, live)  # [H, live]
             ts = time.perf_counter()
             try:
-                kept = self._select(scorer, li, cache, src, keys, values, pos, L, keep, st)  # [H, keep]
+                kept = self._select(scorer, li, cache, src, live, pos, L, keep, st)  # [H, keep]
             except Exception:  # a scoring bug must not kill the engine: keep the most recent instead
                 logger.exception("kvp-vllm: rule %s failed on layer %d of request %s; falling back "
                                  "to recency for this layer", rule, li, rid)
                 metrics().scoring_errors.labels(rule).inc()
                 kept = select_topb(pos.float(), keep, self.cfg.n_sink, self.cfg.n_recent)
             select_s += time.perf_counter() - ts
-            scatter_kv_tokens(cache, self.layout, dst, slots, gather_kept(keys, kept),
-                              gather_kept(values, kept))
+            # the kept entries are copied out before the tail is overwritten (sources may overlap it)
+            keys, values = gather_kv_tokens(cache, self.layout, src, kept)
+            scatter_kv_tokens(cache, self.layout, dst, slots, keys, values)
             new_positions.append(torch.gather(pos, 1, kept))
         st.positions = torch.stack(new_positions)
         st.kept_len = L
@@ -217,16 +217,17 @@ class WorkerEviction:
         grown = torch.arange(st.kept_len, L).expand(h, L - st.kept_len)
         return torch.cat([kept, grown], dim=1)
 
-    def _select(self, scorer, layer: int, cache, src, keys, values, pos, L: int, keep: int,
+    def _select(self, scorer, layer: int, cache, src, live: int, pos, L: int, keep: int,
                 st: RequestEviction) -> torch.Tensor:
-        """Kept slots [H, keep] (ascending) of one layer."""
+        """Kept slots [H, keep] (ascending) of one layer's `live` tokens."""
         if scorer.name == "kvp":  # fused score + select straight from the paged cache
-            sel = paged_score_select(scorer.policy, layer, cache, self.layout, src[None], [keys.shape[1]],
+            sel = paged_score_select(scorer.policy, layer, cache, self.layout, src[None], [live],
                                      [keep], self.cfg.n_sink, self.cfg.n_recent, positions=pos[None],
                                      position_lengths=[L])
             if int(sel.counts[0]) != keep:
                 raise RuntimeError(f"kvp-vllm: the kernel kept {int(sel.counts[0])} tokens, ordered {keep}")
             return sel.kept[0, :, :keep].long()
+        keys, values = gather_kv(cache, self.layout, src, live)
         scores = self._score(scorer, layer, keys, values, pos, L, st)
         return select_topb(scores, keep, self.cfg.n_sink, self.cfg.n_recent)
 
