@@ -23,7 +23,7 @@ class Capture:
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
     queries: List[Optional[torch.Tensor]] = field(default_factory=list)
-    logits: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None  # [1, 1, V]: the last input token's only
 
     def layer_kv(self, layer: int, positions: Optional[torch.Tensor] = None,
                  future_importance: Optional[torch.Tensor] = None) -> LayerKV:
@@ -60,7 +60,8 @@ def _post_rope_queries(attn, hidden_states: torch.Tensor, position_embeddings, l
 def forward_capture(model, input_ids: torch.Tensor, cache=None, query_last: int = 0,
                     position_ids: Optional[torch.Tensor] = None) -> Capture:
     """Forward `input_ids` [1, n] (optionally on top of `cache`), capturing the post-RoPE queries of
-    the last `query_last` input tokens per layer. Returns the updated cache and its keys/values."""
+    the last `query_last` input tokens per layer. Returns the updated cache and its keys/values, and the
+    last token's logits (logits for every position would cost a fifth of a 2K-token prefill)."""
     from transformers import DynamicCache
 
     cache = cache if cache is not None else DynamicCache()
@@ -80,7 +81,7 @@ def forward_capture(model, input_ids: torch.Tensor, cache=None, query_last: int 
         hooks = [m.register_forward_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
     try:
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
     finally:
         for h in hooks:
             h.remove()
