@@ -71,6 +71,7 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
 def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model, tokenizer):
     """Two runs with disjoint --tasks write one folder at the same time; nothing is lost and the
     results of whichever finishes last report both."""
+    import copy
     import threading
 
     def cfg(task):
@@ -78,13 +79,16 @@ def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model,
                           protocols=["query_aware"])
 
     out = {}
+    # a model each: capture hooks are registered on the model's modules, so two threads sharing one
+    # model would record each other's queries (separate processes, as in real use, share nothing)
     threads = [threading.Thread(target=lambda t=t: out.__setitem__(t, run(
-        cfg(t), small_model, tokenizer, tmp_path, progress=False, plots=False)))
+        cfg(t), copy.deepcopy(small_model), tokenizer, tmp_path, progress=False, plots=False)))
         for t in ("niah_single_repeat", "niah_single_words")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert set(out) == {"niah_single_repeat", "niah_single_words"}, "a run raised"
     rows = read_rows(tmp_path / "rows.jsonl")
     assert len(rows) == len({row_key(r) for r in rows}) == 2 * 2 * 2  # 2 tasks x 2 samples x (full, random)
     final = json.loads((tmp_path / "results.json").read_text())
