@@ -155,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             fail(f"no stored rows in {out}")
         res = write_outputs(out, cfg, rows, {"report_only": True})
         plot_all(res["aggregate"], out)
-        from .runner import markdown_summary, task_average_table
+        from .runner import markdown_summary, needle_table, task_average_table
         for protocol in protocols:
             for metric, d in (("accuracy", 2), ("delta_logprob_per_token", 2), ("perplexity", 1)):
                 table = markdown_summary(res["aggregate"], protocol, metric, d)
@@ -165,6 +165,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 table = task_average_table(res["task_average"], protocol, length)
                 if table:
                     print(f"\n### task-averaged accuracy, {protocol}, {length} tokens\n\n{table}")
+        for length in lengths:
+            table = needle_table(rows, length)
+            if table:
+                print(f"\n### needle tasks, {length} tokens\n\n{table}")
         print(f"\nrewrote results and plots in {out}", file=sys.stderr)
         return 0
     if args.threads:

@@ -320,6 +320,46 @@ def task_average_table(avg: List[Dict], protocol: str, length: int) -> str:
             + "\n".join(lines))
 
 
+def _leading_number(text: str) -> str:
+    digits = text.lstrip()
+    n = len(digits) - len(digits.lstrip("0123456789"))
+    return digits[:n]
+
+
+def needle_table(rows: List[Dict], length: int) -> str:
+    """Markdown: correct answers on the needle (niah_*) tasks per rule, budget and protocol, over the
+    samples with every rule and budget; beside them, "cut short": single-needle answers that are a
+    strict prefix of the needle's number (the full cache answered it), i.e. the rule kept the first
+    digits but evicted the rest (SmolLM2 reads one token per digit)."""
+    rows = complete_rows([r for r in rows if r["task"].startswith("niah_") and r["length"] == length])
+    if not rows:
+        return ""
+    full = {(r["task"], r["index"], r["protocol"]): r for r in rows if r["rule"] == FULL}
+    correct: Dict[Tuple, int] = defaultdict(int)
+    cut: Dict[Tuple, int] = defaultdict(int)
+    for r in rows:
+        key = (r["protocol"], r["rule"], r["budget"])
+        correct[key] += bool(r["correct"])
+        f = full[(r["task"], r["index"], r["protocol"])]
+        if r["task"].startswith("niah_single") and f["correct"] and not r["correct"]:
+            got, needle = _leading_number(r["output"]), _leading_number(f["output"])
+            cut[key] += bool(got) and len(got) < len(needle) and needle.startswith(got)
+    protocols = sorted({r["protocol"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["rule"] != FULL}, key=_budget_sort)
+    rules = sorted({r["rule"] for r in rows if r["rule"] != FULL},
+                   key=lambda rule: -sum(correct[(p, rule, b)] for p in protocols for b in budgets))
+    samples = len({(r["task"], r["index"]) for r in rows})
+    fulls = ", ".join(f"{p} {correct[(p, FULL, FULL)]}" for p in protocols)
+    head = " | ".join(f"{p} b={' / '.join(budgets)}" for p in protocols)
+    lines = [f"{samples} samples (full cache correct: {fulls}); each cell: correct (cut short)", "",
+             f"| rule | {head} |", "|---|" + "---|" * len(protocols)]
+    for rule in rules:
+        cells = [" / ".join(f"{correct[(p, rule, b)]} ({cut[(p, rule, b)]})" for b in budgets)
+                 for p in protocols]
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _budget_sort(label: str):
     if label == FULL:
         return (2, 0.0)

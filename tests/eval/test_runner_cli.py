@@ -164,6 +164,29 @@ def test_task_average_compares_rules_on_the_same_samples():
     assert "| x | 0.750 | 0.500 |" in table and "3 samples" in table
 
 
+def test_needle_table_counts_correct_and_cut_short_answers():
+    from kvp_vllm.eval.runner import needle_table
+
+    def row(task, index, rule, budget, output, correct):
+        return dict(task=task, length=256, index=index, protocol="query_aware", rule=rule, budget=budget,
+                    output=output, correct=correct, kind="qa")
+
+    rows = [row("niah_single_repeat", 0, "full", "full", " 1234567.", True),
+            row("niah_single_repeat", 0, "x", "64", " 123.", False),       # cut short
+            row("niah_single_repeat", 0, "y", "64", " 1234567.", True),
+            row("niah_single_repeat", 1, "full", "full", " 7654321.", True),
+            row("niah_single_repeat", 1, "x", "64", " 7654329.", False),   # wrong, not a prefix
+            row("niah_single_repeat", 1, "y", "64", " 76543210.", False),  # longer: not cut short
+            row("niah_multikey", 0, "full", "full", " 42.", True),
+            row("niah_multikey", 0, "x", "64", " 4.", False),  # multi-needle tasks: only counted
+            row("niah_multikey", 0, "y", "64", " 42.", True),
+            row("vt", 0, "full", "full", " A", True), row("vt", 0, "x", "64", " A", True)]
+    table = needle_table(rows, 256)
+    assert "3 samples (full cache correct: query_aware 3)" in table
+    assert "| y | 2 (0) |" in table and "| x | 0 (1) |" in table
+    assert needle_table(rows, 512) == ""
+
+
 def test_kvp_rows_are_recomputed_when_the_policy_changes(tmp_path, small_model, tokenizer):
     """A folder never mixes two KVP policies: rows carry the weights' sha256; after the checkpoint
     changes they count as missing, are recomputed, and only the new ones are reported."""
