@@ -137,6 +137,7 @@ class PackedLayer:
     eps: float
     depth: int
     num_features: int
+    folded: Optional["FoldedMLP"] = None  # the CPU torch path's form (fp32 packs only), see fold_layer
 
 
 def _next_pow2(n: int) -> int:
@@ -172,7 +173,7 @@ def pack_layer(policy: KVPPolicy, layer: int, dtype: torch.dtype = torch.float32
         bh = gh = betah = torch.zeros(h, 1, c.hidden_dim, device=device)
     # the same fp32 frequencies position_features computes
     freqs = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), c.pos_frequencies))
-    return PackedLayer(
+    packed = PackedLayer(
         wk=w(policy.key_proj.weight), bk=v(policy.key_proj.bias), gk=v(policy.key_norm.weight),
         betak=v(policy.key_norm.bias),
         wv=w(policy.value_proj.weight), bv=v(policy.value_proj.bias), gv=v(policy.value_norm.weight),
@@ -185,33 +186,81 @@ def pack_layer(policy: KVPPolicy, layer: int, dtype: torch.dtype = torch.float32
         freqs=freqs.to(device=device, dtype=torch.float32), eps=eps, depth=c.depth,
         num_features=npf,
     )
+    if dtype == torch.float32:
+        packed.folded = fold_layer(packed)
+    return packed
+
+
+@dataclass
+class FoldedMLP:
+    """A PackedLayer rewritten for few CPU memory passes (same function, fp32).
+
+    LayerNorm(y) = (y - mean y) / sqrt(var y + eps) * g + beta. The mean subtraction is linear, so it
+    is folded into the Linear before it (each weight column minus the row mean): that Linear then
+    outputs centred values and LayerNorm is one RMS scaling. The key/value/position LayerNorms'
+    affine (g, beta) is folded into the first hidden Linear, which reads their concatenation. Native
+    LayerNorm + a separate affine were two thirds of the CPU time (several passes over [H, N, width]
+    each); this form runs the same scores ~1.7x faster."""
+
+    wk: torch.Tensor
+    bk: torch.Tensor
+    wv: torch.Tensor
+    bv: torch.Tensor
+    wp: torch.Tensor
+    bp: torch.Tensor
+    w0: torch.Tensor
+    b0: torch.Tensor
+    hidden: List[tuple]   # per hidden layer after the first: its Linear (w, b), centred
+    norms: List[tuple]    # per hidden layer: its LayerNorm (g, beta), applied before SiLU
+    wo: torch.Tensor
+    bo: torch.Tensor
+    eps: float
+
+
+def _centred(w: torch.Tensor, b: torch.Tensor):
+    """w [H, in, out], b [H, out] -> the Linear whose outputs have zero mean over `out`."""
+    return (w - w.mean(-1, keepdim=True)).contiguous(), (b - b.mean(-1, keepdim=True))[:, None, :].contiguous()
+
+
+def fold_layer(p: PackedLayer) -> FoldedMLP:
+    f32 = torch.float32
+    p32 = {name: getattr(p, name).to(f32) for name in ("wk", "bk", "wv", "bv", "wp", "bp", "w0", "b0",
+                                                      "gk", "gv", "gp", "betak", "betav", "betap")}
+    wk, bk = _centred(p32["wk"], p32["bk"])
+    wv, bv = _centred(p32["wv"], p32["bv"])
+    wp, bp = _centred(p32["wp"][:, :p.num_features], p32["bp"])
+    g = torch.cat([p32["gk"], p32["gv"], p32["gp"]], 1)               # [H, KD+VD+PD]
+    beta = torch.cat([p32["betak"], p32["betav"], p32["betap"]], 1)
+    w0, b0 = _centred(p32["w0"] * g[:, :, None], p32["b0"] + torch.einsum("hi,hio->ho", beta, p32["w0"]))
+    hidden = [_centred(p.wh[:, i].to(f32), p.bh[:, i]) for i in range(p.depth - 1)]
+    norms = [(p.g0[:, None, :], p.beta0[:, None, :])] + [
+        (p.gh[:, i, None, :], p.betah[:, i, None, :]) for i in range(p.depth - 1)]
+    return FoldedMLP(wk, bk, wv, bv, wp, bp, w0, b0, hidden, norms, p.wo[:, :, None].to(f32),
+                     p.bo[:, None, None], p.eps)
+
+
+def _rms_scale_(y: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without affine of an already centred y, in place."""
+    return y.mul_(y.square().mean(-1, keepdim=True).add_(eps).rsqrt_())
 
 
 def mlp_ref(p: PackedLayer, keys: torch.Tensor, values: torch.Tensor, pos_feats: torch.Tensor) -> torch.Tensor:
-    """Per-head MLP on packed weights (same math as ``KVPPolicy.forward``), written for few memory
-    passes: bias folded into baddbmm, LayerNorm affine as one addcmul written straight into its slice
-    of the concat buffer, SiLU in place. keys, values [H, N, d]; pos_feats [H or 1, N, F] -> fp32 [H, N].
+    """Per-head MLP on packed weights (same function as ``KVPPolicy.forward``, up to fp32 rounding),
+    through the FoldedMLP form. keys, values [H, N, d]; pos_feats [H or 1, N, F] -> fp32 [H, N].
     (Weights in fp32; a bf16 PackedLayer is only for the Triton path.)"""
+    f = p.folded if p.folded is not None else fold_layer(p)
     h, n, _ = keys.shape
-    kd, vd, pd, hd = p.wk.shape[2], p.wv.shape[2], p.wp.shape[2], p.w0.shape[2]
+    kd, vd = f.wk.shape[2], f.wv.shape[2]
     f32 = torch.float32
-
-    def lin(x, w, b):
-        return torch.baddbmm(b[:, None, :].to(f32), x.to(f32), w.to(f32))
-
-    def ln_affine(x, g, b, out=None):
-        y = F.layer_norm(x, x.shape[-1:], eps=p.eps)
-        return torch.addcmul(b[:, None, :], y, g[:, None, :], out=out)
-
-    x = torch.empty(h, n, kd + vd + pd, dtype=f32, device=keys.device)
-    ln_affine(lin(keys, p.wk, p.bk), p.gk, p.betak, out=x[..., :kd])
-    ln_affine(lin(values, p.wv, p.bv), p.gv, p.betav, out=x[..., kd:kd + vd])
-    pf = pos_feats.expand(h, -1, -1)
-    ln_affine(lin(pf, p.wp[:, :p.num_features], p.bp), p.gp, p.betap, out=x[..., kd + vd:])
-    x = F.silu(ln_affine(lin(x, p.w0, p.b0), p.g0, p.beta0), inplace=True)
-    for i in range(p.depth - 1):
-        x = F.silu(ln_affine(lin(x, p.wh[:, i], p.bh[:, i]), p.gh[:, i], p.betah[:, i]), inplace=True)
-    return torch.baddbmm(p.bo[:, None, None], x, p.wo[:, :, None].to(f32)).squeeze(-1)
+    x = torch.empty(h, n, kd + vd + f.wp.shape[2], dtype=f32, device=keys.device)
+    for inp, w, b, part in ((keys, f.wk, f.bk, x[..., :kd]), (values, f.wv, f.bv, x[..., kd:kd + vd]),
+                            (pos_feats.expand(h, -1, -1), f.wp, f.bp, x[..., kd + vd:])):
+        part.copy_(_rms_scale_(torch.baddbmm(b, inp.to(f32), w), f.eps))
+    for i, (g, beta) in enumerate(f.norms):
+        w, b = (f.w0, f.b0) if i == 0 else f.hidden[i - 1]
+        y = _rms_scale_(torch.baddbmm(b, x, w), f.eps)
+        x = F.silu(torch.addcmul(beta, y, g, out=y), inplace=True)
+    return torch.baddbmm(f.bo, x, f.wo).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -190,6 +190,30 @@ def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed,
         assert torch.equal(sel.kept[i, :, :c], kept[i, :, :c]) and (sel.kept[i, :, c:] == -1).all()
 
 
+@pytest.mark.parametrize("depth,reference", [(1, False), (2, False), (3, False), (2, True)])
+def test_folded_mlp_equals_policy_forward(depth, reference, seed):
+    """The CPU path folds LayerNorm's centring into the Linears and the key/value/position affine into
+    the first hidden Linear; with non-trivial affines (random_init leaves g=1, beta=0) the scores must
+    still be the policy's."""
+    from kvp_vllm.kernels.score_select_ref import mlp_ref
+    from kvp_vllm.policy import position_features
+
+    torch.manual_seed(seed)
+    policy = KVPPolicy.random_init(ModelShape(2, 3, 64), seed=seed % 1000, reference=reference, depth=depth)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn_like(param) * (0.5 if name.endswith("bias") else 1.0))
+    n = 300
+    keys, values = torch.randn(3, n, 64) * 3, torch.randn(3, n, 64)
+    pos = torch.randperm(4 * n)[:n].sort().values
+    with torch.no_grad():
+        want = policy.score_layer(1, keys, values, pos, 4 * n)
+        got = mlp_ref(pack_layer(policy, 1), keys, values,
+                      position_features(pos[None], 4 * n, policy.config.pos_frequencies))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 MATRIX = list(itertools.product(["flash", "cpu"], [64, 128], [16, 32, 128]))
 
 
