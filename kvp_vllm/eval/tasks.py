@@ -198,6 +198,9 @@ def _fit(build: Callable[[int], Tuple[List[int], List[int]]], limit: int, lo: in
     if size(lo) > limit:
         raise TaskError(f"even the smallest prompt is longer than {limit} tokens")
     while size(hi) <= limit:
+        if hi > 1 << 20:  # a tokenizer that returns no ids would loop forever
+            raise TaskError(f"the prompt stays within {limit} tokens however much filler it gets: "
+                            f"the tokenizer returns (almost) no ids")
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -83,6 +83,8 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if not tokenizer("a b c", add_special_tokens=False)["input_ids"]:
+            raise ValueError("empty vocabulary")  # transformers builds one from a folder without files
     except Exception:  # noqa: BLE001 - test models are saved without a tokenizer
         tokenizer = prompts.ByteTokenizer(config.vocab_size)
     name = Path(getattr(config, "name_or_path", "") or path.name).name or path.name
@@ -106,8 +108,8 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int) -
     each answer token's queries, then compute the future importance per layer."""
     from ..capture import forward_capture
 
-    ids = prompts.encode(tokenizer, prompts.make_messages(item["task"], item["target_tokens"],
-                                                          item["seed"]), item["target_tokens"])
+    ids = item.get("prompt_ids") or prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
+                                                        item["seed"])
     n = len(ids)
     device = next(model.parameters()).device
     pre = forward_capture(model, torch.tensor([ids], device=device), query_last=window)
@@ -158,14 +160,24 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
 
     if cfg.answer_tokens < 1 or cfg.num_traces < 1 or min(cfg.lengths) < 32:
         raise TraceError("need answer_tokens >= 1, num_traces >= 1 and every length >= 32")
-    for t in cfg.tasks:
-        if t not in prompts.TASKS:
-            raise TraceError(f"unknown prompt task {t!r}; known: {', '.join(prompts.TASKS)}")
+    try:
+        prompts.check_tasks(cfg.tasks)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
     model_path = resolve_model(cfg.model)  # fails before anything is written
     out = Path(out).expanduser()
     manifest_path = out / MANIFEST
     cfg_dict = {k: (list(v) if isinstance(v, (tuple, list)) else v) for k, v in asdict(cfg).items()}
     model, tokenizer, shape = load_model(model_path, cfg.dtype, cfg.device)
+    # Every prompt is built before anything is written: a task that cannot fit its length fails now.
+    items = plan(cfg)
+    for item in items:
+        try:
+            item["prompt_ids"] = prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
+                                                    item["seed"])
+        except ValueError as e:  # the harness's TaskError included
+            raise TraceError(f"cannot build the {item['task']} prompt at {item['target_tokens']} "
+                             f"tokens: {e}") from None
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("shape") != asdict(shape) and \
@@ -183,11 +195,11 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
             raise TraceError(f"{out} is not empty and has no {MANIFEST}; refusing to write into it")
         manifest = {"format": TRACE_FORMAT, "model": shape.model_name, "model_path": str(model_path),
                     "shape": asdict(shape), "config": cfg_dict,
-                    "prompt_generator": "kvp_vllm.training.prompts (eval harness absent at build time)",
+                    "prompt_generator": "kvp_vllm.training.prompts (eval harness tasks + essay_qa, "
+                                        "conversation)",
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "shards": [], "traces": {}}
         _write_json_atomic(manifest_path, manifest)
-    items = plan(cfg)
     per = cfg.traces_per_shard
     shards = [items[i:i + per] for i in range(0, len(items), per)]
     done = {s["shard"] for s in manifest["shards"]}
@@ -225,7 +237,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
                 if tmp.exists():
                     tmp.unlink()
         for item, tr in traces:
-            manifest["traces"][item["id"]] = {**item, "shard": s, "n_prompt": tr["n_prompt"],
+            meta = {k: v for k, v in item.items() if k != "prompt_ids"}
+            manifest["traces"][item["id"]] = {**meta, "shard": s, "n_prompt": tr["n_prompt"],
                                               "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
                                               "answer": tokenizer.decode(tr["answer"])}
         manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})

@@ -85,3 +85,14 @@ def test_bad_task_and_length(tokenizer):
     with pytest.raises(TaskError):
         parse_length("two thousand")
     assert parse_length("2K") == 2048 and parse_length("4096") == 4096
+
+
+def test_a_tokenizer_without_ids_fails_instead_of_looping():
+    class Empty:  # what transformers builds from a model folder without tokenizer files
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": []}
+
+    with pytest.raises(TaskError, match="no ids"):
+        make_sample("niah_single_repeat", Empty(), 1024, 0)

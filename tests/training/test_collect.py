@@ -18,7 +18,7 @@ def test_layout_and_manifest(tiny_traces):
     ts = TraceSet(tiny_traces)
     m = ts.manifest
     assert (ts.shape.num_layers, ts.shape.num_kv_heads, ts.shape.head_dim) == (3, 2, 16)
-    assert m["config"]["lengths"] == [64, 96] and m["config"]["seed"] == prompts.TRAIN_SEED_BASE
+    assert m["config"]["lengths"] == [512, 576] and m["config"]["seed"] == prompts.TRAIN_SEED_BASE
     assert len(m["shards"]) == 4 and len(ts.trace_ids) == 16
     assert sorted(p.name for p in tiny_traces.iterdir()) == ["layer_00", "layer_01", "layer_02", MANIFEST]
     assert len(ts.split("test")) == 2 and len(ts.split("val")) == 2 and len(ts.split("train")) == 12
@@ -27,7 +27,27 @@ def test_layout_and_manifest(tiny_traces):
     assert d["keys"].shape == (2, n, 16) and d["keys"].dtype == torch.bfloat16
     assert d["importance"].shape == (2, n) and d["importance"].dtype == torch.float32
     assert d["window_queries"].shape == (4, 16, 16)
-    assert {t["task"] for t in m["traces"].values()} >= {"needle", "essay_qa"}
+    assert {t["task"] for t in m["traces"].values()} == set(m["config"]["tasks"])
+    tasks = set(m["config"]["tasks"])
+    assert tasks & set(prompts.CHAT_TASKS) and tasks - set(prompts.CHAT_TASKS)  # harness and chat kinds
+
+
+def test_prompts_come_from_the_harness_with_disjoint_seeds(tiny_traces):
+    """A needle trace's prompt is the harness's own sample (seed >= TRAIN_SEED_BASE), and differs from
+    every evaluation sample of the same task and length (seeds < TRAIN_SEED_BASE)."""
+    from kvp_vllm.eval.tasks import make_sample
+
+    ts = TraceSet(tiny_traces)
+    _, tok, _ = load_model(resolve_model("tiny-llama"))
+    tid, meta = next((t, m) for t, m in ts.manifest["traces"].items() if m["task"] == "niah_single_repeat")
+    ids = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
+    sample = make_sample(meta["task"], tok, meta["target_tokens"], index=0, seed=meta["seed"])
+    assert ids == sample.prompt_ids and len(ids) == meta["n_prompt"] <= meta["target_tokens"]
+    assert meta["seed"] >= prompts.TRAIN_SEED_BASE
+    assert tok.decode(sample.context_ids).count(sample.answers[0]) == 1  # the needle is in the trace
+    evals = {tuple(make_sample(meta["task"], tok, meta["target_tokens"], index=i, seed=0).prompt_ids)
+             for i in range(8)}
+    assert tuple(ids) not in evals
 
 
 def test_stored_importance_matches_a_full_forward(tiny_traces):
@@ -35,8 +55,7 @@ def test_stored_importance_matches_a_full_forward(tiny_traces):
     ts = TraceSet(tiny_traces)
     model, tok, _ = load_model(resolve_model("tiny-llama"))
     meta = ts.meta("t00005")
-    ids = prompts.encode(tok, prompts.make_messages(meta["task"], meta["target_tokens"], meta["seed"]),
-                         meta["target_tokens"])
+    ids = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
     assert len(ids) == meta["n_prompt"]
     assert len(meta["answer_ids"]) == meta["n_answer"]
     full = torch.tensor([ids + meta["answer_ids"]])
@@ -53,7 +72,7 @@ def test_stored_importance_matches_a_full_forward(tiny_traces):
 
 def test_resume_adds_shards_without_rewriting(tmp_path):
     cfg = CollectConfig(model="tiny-llama", lengths=(48,), num_traces=4, answer_tokens=2, window=8,
-                        traces_per_shard=2)
+                        traces_per_shard=2, tasks=("essay_qa", "conversation"))
     out = collect(cfg, tmp_path / "t", progress=False)
     before = (out / "layer_00" / "shard_00000.safetensors").stat().st_mtime_ns
     cfg.num_traces = 6
@@ -74,14 +93,23 @@ def test_bad_inputs(tiny_traces, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
     with pytest.raises(TraceError, match="not empty"):
-        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1),
-                tmp_path / "busy", progress=False)
+        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1,
+                              tasks=("essay_qa",)), tmp_path / "busy", progress=False)
+    # a harness task that cannot fit the length, an unknown task: clear errors, nothing written
+    with pytest.raises(TraceError, match="cannot build the niah_multikey prompt at 48 tokens"):
+        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=4, answer_tokens=1,
+                              tasks=("essay_qa", "niah_multikey")), tmp_path / "short", progress=False)
+    with pytest.raises(TraceError, match="unknown prompt task 'needle'"):
+        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1,
+                              tasks=("needle",)), tmp_path / "short", progress=False)
+    assert not (tmp_path / "short").exists()
     with pytest.raises(TraceError, match="not a trace folder"):
         TraceSet(tmp_path)
     # traces from another model
     with pytest.raises(TraceError, match="other settings|holds traces"):
-        collect(CollectConfig(model="tiny-qwen2", lengths=(64, 96), num_traces=16, answer_tokens=6,
-                              window=16, traces_per_shard=4), tiny_traces, progress=False)
+        collect(CollectConfig(model="tiny-qwen2", lengths=(512, 576), num_traces=16, answer_tokens=6,
+                              window=16, traces_per_shard=4, tasks=tuple(TraceSet(tiny_traces).manifest[
+                                  "config"]["tasks"])), tiny_traces, progress=False)
     from kvp_vllm.policy import ModelShape
     with pytest.raises(TraceError, match="come from"):
         TraceSet(tiny_traces).check_model(ModelShape(30, 3, 64, "SmolLM2"))
@@ -105,8 +133,8 @@ def test_bad_inputs(tiny_traces, tmp_path):
 def test_real_model_collection_smoke(tmp_path):
     """One short SmolLM2 trace on the real model."""
     torch.set_num_threads(1)
-    out = collect(CollectConfig(model="smollm2", lengths=(96,), num_traces=1, answer_tokens=2, window=8,
-                                tasks=("needle",)), tmp_path / "s", progress=False)
+    out = collect(CollectConfig(model="smollm2", lengths=(192,), num_traces=1, answer_tokens=2, window=8,
+                                tasks=("niah_single_repeat",)), tmp_path / "s", progress=False)
     ts = TraceSet(out)
     assert (ts.shape.num_layers, ts.shape.num_kv_heads, ts.shape.head_dim) == (30, 3, 64)
     assert ts.shape.model_name == "SmolLM2-135M-Instruct"

@@ -96,11 +96,11 @@ def test_cli_evaluate_table(tiny_traces, tmp_path):
         assert res["overall"][rule] >= 1.0 - 1e-6 and len(res["per_layer"][rule]) == 3
     assert "| kvp |" in out.with_suffix(".md").read_text()
     # --lengths keeps only the traces collected at those target lengths (the generalisation runs)
-    assert cli.main(["evaluate", "--traces", str(tiny_traces), "--split", "all", "--lengths", "96",
+    assert cli.main(["evaluate", "--traces", str(tiny_traces), "--split", "all", "--lengths", "576",
                      "--out", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
-    assert res["traces"] == 8 and res["lengths"] == [96]
-    assert all(n <= 96 for n in res["prompt_tokens"])
+    assert res["traces"] == 8 and res["lengths"] == [576]
+    assert all(n <= 576 for n in res["prompt_tokens"])
     assert cli.main(["evaluate", "--traces", str(tiny_traces), "--lengths", "4096"]) == 2
 
 
