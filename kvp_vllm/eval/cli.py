@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..scorers import SCORERS, SERVABLE_RULES
 from .protocol import PROTOCOLS
-from .tasks import DEFAULT_TASKS, TASKS, TaskError, parse_length
+from .tasks import DEFAULT_TASKS, EVAL_SEED_LIMIT, TASKS, TaskError, parse_length
 
 MIN_BUDGET = 20  # the 4 sink + 16 recent tokens every rule keeps
 
@@ -100,6 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         budgets = parse_budgets(args.budgets)
     except (TaskError, ValueError) as e:
         fail(str(e))
+    if not 0 <= args.seed < EVAL_SEED_LIMIT:
+        fail(f"--seed must be in [0, {EVAL_SEED_LIMIT}): larger seeds draw the training traces' prompts")
     if args.samples <= 0:
         fail(f"--samples must be positive; got {args.samples}")
     protocols = _csv(args.protocols)

@@ -24,6 +24,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
+# Evaluation samples use seeds below this; training traces (kvp-train collect) use seeds from it up, so
+# a trace prompt never equals an evaluation prompt.
+EVAL_SEED_LIMIT = 1_000_000
+
 LENGTH_ALIASES = {"1k": 1024, "2k": 2048, "4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768}
 
 

@@ -160,6 +160,9 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
 
     if cfg.answer_tokens < 1 or cfg.num_traces < 1 or min(cfg.lengths) < 32:
         raise TraceError("need answer_tokens >= 1, num_traces >= 1 and every length >= 32")
+    if cfg.seed < prompts.TRAIN_SEED_BASE:
+        raise TraceError(f"--seed must be at least {prompts.TRAIN_SEED_BASE}: smaller seeds are the "
+                         f"evaluation harness's, and training on its samples would leak them")
     try:
         prompts.check_tasks(cfg.tasks)
     except ValueError as e:

@@ -15,7 +15,7 @@ from typing import List
 
 from ..eval import tasks as harness
 
-TRAIN_SEED_BASE = 1_000_000  # evaluation uses seeds < 1e6; training traces use TRAIN_SEED_BASE + i
+TRAIN_SEED_BASE = harness.EVAL_SEED_LIMIT  # trace i uses seed + i >= this; evaluation stays below
 
 CHARS_PER_TOKEN = 4.2  # rough size of a chat prompt before tokenising (trimmed to the target after)
 

@@ -106,6 +106,7 @@ def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model,
     (["--samples", "0"], "--samples must be positive"),
     (["--rules", "kvp", "--checkpoint", ""], "needs a trained policy"),
     (["--lengths", "16K"], "above the model's context of 8192"),
+    (["--seed", "1000000"], "larger seeds draw the training traces"),
 ])
 def test_cli_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

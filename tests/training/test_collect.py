@@ -102,6 +102,9 @@ def test_bad_inputs(tiny_traces, tmp_path):
     with pytest.raises(TraceError, match="unknown prompt task 'needle'"):
         collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1,
                               tasks=("needle",)), tmp_path / "short", progress=False)
+    with pytest.raises(TraceError, match="seed must be at least 1000000"):
+        collect(CollectConfig(model="tiny-llama", lengths=(48,), num_traces=1, answer_tokens=1,
+                              tasks=("essay_qa",), seed=5), tmp_path / "short", progress=False)
     assert not (tmp_path / "short").exists()
     with pytest.raises(TraceError, match="not a trace folder"):
         TraceSet(tmp_path)
