@@ -156,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not rows:
             fail(f"no stored rows in {out}")
         res = write_outputs(out, cfg, rows, {"report_only": True})
-        plot_all(res["aggregate"], out)
+        plot_all(res["aggregate"], out, res["task_average"])
         from .runner import markdown_summary, needle_table, task_average_table
         for protocol in protocols:
             for metric, d in (("accuracy", 2), ("delta_logprob_per_token", 2), ("perplexity", 1)):

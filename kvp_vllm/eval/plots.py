@@ -1,12 +1,13 @@
 """Plots from the aggregated rows: accuracy vs cache size (one panel per task, one line per rule,
-full cache dashed), the teacher-forced gold log-likelihood loss vs cache size, and perplexity vs cache
-size. x = mean tokens kept per KV head (log scale)."""
+full cache dashed), task-averaged accuracy (one panel per protocol), the teacher-forced gold
+log-likelihood loss vs cache size, and perplexity vs cache size. x = tokens kept per KV head (log
+scale)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import matplotlib
 
@@ -33,7 +34,7 @@ def _series(agg: List[Dict], task: str, protocol: str, metric: str):
 
 def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     lines, full = _series(agg, task, protocol, metric)
-    for rule in sorted(lines, key=lambda r: list(RULE_STYLE).index(r) if r in RULE_STYLE else 99):
+    for rule in sorted(lines, key=_rule_order):
         color, marker = RULE_STYLE.get(rule, (None, "."))
         xs, ys, ns = zip(*lines[rule])
         ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
@@ -49,9 +50,56 @@ def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     ax.grid(alpha=0.3)
 
 
-def plot_all(agg: List[Dict], out_dir: Path) -> List[Path]:
-    out_dir = Path(out_dir)
+def _rule_order(rule: str) -> int:
+    return list(RULE_STYLE).index(rule) if rule in RULE_STYLE else 99
+
+
+def plot_task_average(avg: List[Dict], out_dir: Path) -> List[Path]:
+    """Task-averaged accuracy vs budget: one figure per length, one panel per protocol, one line per
+    rule, full cache dashed. Absolute budgets only (fractions of the context have another x axis)."""
     written = []
+    for length in sorted({a["length"] for a in avg}):
+        sub = [a for a in avg if a["length"] == length]
+        protocols = sorted({a["protocol"] for a in sub})
+        fig, axes = plt.subplots(1, len(protocols), figsize=(5.2 * len(protocols), 3.8), squeeze=False)
+        drawn = False
+        for ax, protocol in zip(axes.flat, protocols):
+            cells = [a for a in sub if a["protocol"] == protocol]
+            lines = defaultdict(list)
+            for a in cells:
+                if a["budget"] != "full" and "." not in a["budget"]:
+                    lines[a["rule"]].append((int(a["budget"]), a["accuracy"]))
+            for rule in sorted(lines, key=_rule_order):
+                color, marker = RULE_STYLE.get(rule, (None, "."))
+                xs, ys = zip(*sorted(lines[rule]))
+                ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
+                drawn = True
+            full = next((a for a in cells if a["budget"] == "full"), None)
+            title = protocol
+            if full is not None:
+                ax.axhline(full["accuracy"], color="gray", ls="--", lw=1, label="full cache")
+                title += f" ({full['tasks']} tasks, {full['samples']} samples, full={full['accuracy']:.2f})"
+            ax.set_xscale("log", base=2)
+            ax.set_title(title, fontsize=8)
+            ax.set_xlabel("cache size (tokens kept per KV head)", fontsize=7)
+            ax.set_ylabel("task-averaged accuracy", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+        if drawn:
+            handles, labels = axes.flat[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 10), fontsize=7)
+            fig.suptitle(f"task-averaged accuracy vs cache size - {length} tokens", fontsize=10)
+            fig.tight_layout(rect=(0, 0.08, 1, 0.94))
+            path = Path(out_dir) / f"eval_task_average_{length}.png"
+            fig.savefig(path, dpi=110)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def plot_all(agg: List[Dict], out_dir: Path, task_avg: Optional[List[Dict]] = None) -> List[Path]:
+    out_dir = Path(out_dir)
+    written = plot_task_average(task_avg, out_dir) if task_avg else []
     qa_tasks = sorted({a["task"] for a in agg if "accuracy" in a})
     ppl_tasks = sorted({a["task"] for a in agg if "perplexity" in a})
     protocols = sorted({a["protocol"] for a in agg})

@@ -494,7 +494,7 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         if plots:
             try:
                 from .plots import plot_all
-                plot_all(results["aggregate"], out_dir)
+                plot_all(results["aggregate"], out_dir, results["task_average"])
             except Exception as e:  # plots are a convenience; the numbers are already written
                 log(f"warning: plotting failed: {e}")
     return results

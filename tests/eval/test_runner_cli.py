@@ -44,6 +44,7 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
     assert len(rows) == 14 + 7
     assert len({row_key(r) for r in rows}) == len(rows)
     for name in ["results.json", "per_sample.csv", "aggregate.csv", "eval_accuracy_query_aware_256.png",
+                 "eval_task_average_256.png",
                  "eval_perplexity_ppl_essay_256.png", "eval_loglik_query_agnostic_256.png"]:
         assert (tmp_path / name).exists(), name
     # budget >= the context reproduces the full cache
