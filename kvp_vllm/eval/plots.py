@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 RULE_STYLE = {"kvp": ("C3", "o"), "oracle": ("k", "*"), "snapkv": ("C0", "s"), "tova": ("C1", "^"),
               "lagkv": ("C2", "v"), "keydiff": ("C4", "D"), "knorm": ("C5", "P"),
               "streaming": ("C6", "X"), "random": ("C7", "x")}
+OTHER_STYLE = ("C9", "d")  # e.g. a second KVP policy merged in by benchmarks/compare_policies.py
 
 
 def _series(agg: List[Dict], task: str, protocol: str, metric: str):
@@ -35,7 +36,7 @@ def _series(agg: List[Dict], task: str, protocol: str, metric: str):
 def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     lines, full = _series(agg, task, protocol, metric)
     for rule in sorted(lines, key=_rule_order):
-        color, marker = RULE_STYLE.get(rule, (None, "."))
+        color, marker = RULE_STYLE.get(rule, OTHER_STYLE)
         xs, ys, ns = zip(*lines[rule])
         ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
     title = task
@@ -70,7 +71,7 @@ def plot_task_average(avg: List[Dict], out_dir: Path) -> List[Path]:
                 if a["budget"] != "full" and "." not in a["budget"]:
                     lines[a["rule"]].append((int(a["budget"]), a["accuracy"]))
             for rule in sorted(lines, key=_rule_order):
-                color, marker = RULE_STYLE.get(rule, (None, "."))
+                color, marker = RULE_STYLE.get(rule, OTHER_STYLE)
                 xs, ys = zip(*sorted(lines[rule]))
                 ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
                 drawn = True

@@ -267,6 +267,36 @@ def aggregate(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+class RowMismatch(ValueError):
+    """Two result folders did not evaluate the same prompts."""
+
+
+def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[Dict]:
+    """`base` (every rule) plus the KVP rows of another policy from `other`, renamed to `label`.
+
+    A folder holds one policy's KVP rows (rows of another are recomputed, never mixed), so comparing
+    two policies means evaluating the second in a folder of its own and merging here. Both folders
+    must have evaluated the same prompts: every full-cache row they share must agree (prompt length,
+    greedy output, gold log-likelihood), else RowMismatch. complete_rows() then keeps the samples that
+    both folders have."""
+    if label in {r["rule"] for r in base}:
+        raise ValueError(f"label {label!r} is already a rule of the base rows")
+    full = {row_key(r): r for r in base if r["rule"] == FULL}
+    shared = 0
+    for r in other:
+        if r["rule"] != FULL or row_key(r) not in full:
+            continue
+        f = full[row_key(r)]
+        if (f["prompt_tokens"], f.get("output"), round(f["gold_logprob"], 4)) != \
+                (r["prompt_tokens"], r.get("output"), round(r["gold_logprob"], 4)):
+            raise RowMismatch(f"the folders evaluated different prompts: full-cache rows differ at "
+                              f"{row_key(r)[:4]}")
+        shared += 1
+    if not shared:
+        raise RowMismatch("the folders share no sample (no full-cache row in common)")
+    return base + [{**r, "rule": label} for r in other if r["rule"] == "kvp"]
+
+
 def complete_rows(rows: List[Dict]) -> List[Dict]:
     """Rows of the samples that have a row for every (rule, budget) seen at their length and protocol:
     every rule is then aggregated over the same samples (a rule added later, or a run cut short,

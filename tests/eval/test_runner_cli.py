@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvp_vllm.eval import cli
-from kvp_vllm.eval.runner import EvalConfig, read_rows, row_key, run
+from kvp_vllm.eval.runner import EvalConfig, read_rows, row_key, run, task_average
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,66 @@ def test_kvp_rows_are_recomputed_when_the_policy_changes(tmp_path, small_model, 
     assert [r["rule"] for r in added] == ["kvp"]  # only KVP was recomputed (full, random reused)
     assert added[0]["checkpoint_sha256"] == sha["p2"]
     assert res["measured"]["rows"] == len(first)  # the stale KVP row is not reported
+
+
+def test_merge_policy_rows_puts_a_second_policy_beside_the_baselines():
+    from kvp_vllm.eval.runner import RowMismatch, merge_policy_rows
+
+    def row(rule, budget, index, correct, output=" 123", sha=None):
+        r = {"task": "niah_single_repeat", "length": 4096, "index": index, "prompt_tokens": 4000,
+             "kind": "qa", "protocol": "query_aware", "rule": rule, "budget": budget, "kept": 128,
+             "cache_len": 4000, "output": output, "correct": correct, "recall": float(correct),
+             "same_as_full": correct, "gold_logprob": -1.0, "gold_tokens": 3}
+        return {**r, "checkpoint_sha256": sha} if sha else r
+
+    base = [row("full", "full", i, True) for i in range(3)] + \
+           [row("kvp", "128", i, True, sha="new") for i in range(3)] + \
+           [row("tova", "128", i, False) for i in range(3)]
+    other = [row("full", "full", i, True) for i in range(2)] + [row("kvp", "128", 0, False, sha="old"),
+                                                                row("kvp", "128", 1, True, sha="old")]
+    merged = merge_policy_rows(base, other, "kvp_old")
+    avg = {a["rule"]: a for a in task_average(merged)}
+    # only the two samples both folders have count, for every rule
+    assert avg["kvp_old"]["samples"] == 2 and avg["kvp_old"]["accuracy"] == 0.5
+    assert avg["kvp"]["accuracy"] == 1.0 and avg["tova"]["accuracy"] == 0.0
+    with pytest.raises(ValueError, match="already a rule"):
+        merge_policy_rows(base, other, "tova")
+    with pytest.raises(RowMismatch, match="different prompts"):
+        merge_policy_rows(base, [row("full", "full", 0, True, output=" 999")], "kvp_old")
+    with pytest.raises(RowMismatch, match="share no sample"):
+        merge_policy_rows(base, [{**row("full", "full", 0, True), "length": 8192}], "kvp_old")
+
+
+def test_compare_policies_script_writes_tables_and_plots(tmp_path):
+    """benchmarks/compare_policies.py on two synthetic folders: the other policy's row appears."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def folder(name, sha, rules):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": sha}}))
+        rows = []
+        for i in range(2):
+            for rule in ["full"] + rules:
+                rows.append({"task": "niah_single_repeat", "length": 512, "index": i, "prompt_tokens": 500,
+                             "kind": "qa", "protocol": "query_aware", "rule": rule,
+                             "budget": "full" if rule == "full" else "64", "kept": 64, "cache_len": 500,
+                             "output": " 1", "correct": rule != "tova", "recall": 1.0, "same_as_full": True,
+                             "gold_logprob": -1.0, "gold_tokens": 2,
+                             **({"checkpoint_sha256": sha} if rule == "kvp" else {})})
+        (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    base, other = folder("base", "aaa", ["kvp", "tova"]), folder("other", "bbb", ["kvp"])
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_policies.py"
+    proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
+                           "--label", "kvp_old", "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| kvp_old | 1.000 |" in md and "| tova | 0.000 |" in md
+    assert (tmp_path / "cmp" / "eval_task_average_512.png").exists()
+    proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
+                           "--label", "tova", "--out", str(tmp_path / "cmp2")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "already a rule" in proc.stderr
