@@ -277,7 +277,7 @@ def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[D
     A folder holds one policy's KVP rows (rows of another are recomputed, never mixed), so comparing
     two policies means evaluating the second in a folder of its own and merging here. Both folders
     must have evaluated the same prompts: every full-cache row they share must agree (prompt length,
-    greedy output, gold log-likelihood), else RowMismatch. complete_rows() then keeps the samples that
+    greedy output, gold log-likelihood to 1e-4 relative), else RowMismatch. complete_rows() then keeps the samples that
     both folders have."""
     if label in {r["rule"] for r in base}:
         raise ValueError(f"label {label!r} is already a rule of the base rows")
@@ -287,8 +287,10 @@ def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[D
         if r["rule"] != FULL or row_key(r) not in full:
             continue
         f = full[row_key(r)]
-        if (f["prompt_tokens"], f.get("output"), round(f["gold_logprob"], 4)) != \
-                (r["prompt_tokens"], r.get("output"), round(r["gold_logprob"], 4)):
+        # gold log-likelihoods agree to fp32 noise only: the batch a row was decoded in changes the
+        # reduction order (~3e-6 relative seen on 64-token sums)
+        if (f["prompt_tokens"], f.get("output")) != (r["prompt_tokens"], r.get("output")) or \
+                abs(f["gold_logprob"] - r["gold_logprob"]) > 1e-4 * max(1.0, abs(f["gold_logprob"])):
             raise RowMismatch(f"the folders evaluated different prompts: full-cache rows differ at "
                               f"{row_key(r)[:4]}")
         shared += 1

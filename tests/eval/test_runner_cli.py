@@ -241,6 +241,10 @@ def test_merge_policy_rows_puts_a_second_policy_beside_the_baselines():
         merge_policy_rows(base, other, "tova")
     with pytest.raises(RowMismatch, match="different prompts"):
         merge_policy_rows(base, [row("full", "full", 0, True, output=" 999")], "kvp_old")
+    with pytest.raises(RowMismatch, match="different prompts"):
+        merge_policy_rows(base, [{**row("full", "full", 0, True), "gold_logprob": -1.01}], "kvp_old")
+    # fp32 noise in the full cache's gold log-likelihood is not a different prompt
+    assert merge_policy_rows(base, [{**row("full", "full", 0, True), "gold_logprob": -1.00001}], "x")
     with pytest.raises(RowMismatch, match="share no sample"):
         merge_policy_rows(base, [{**row("full", "full", 0, True), "length": 8192}], "kvp_old")
 
