@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,24 @@ def test_shipped_smollm2_policy_loads():
     assert 1.0 <= extra["best_val_normalised_cost"] == min(vals) < vals[0]
     with pytest.raises(CheckpointError):
         KVPPolicy.load(folder, expect=ModelShape(3, 2, 16, "tiny-llama"))
+
+
+def test_recency_diagnostic_script(tiny_traces, tmp_path):
+    """benchmarks/recency_kept.py: the oracle keeps the most future attention, StreamingLLM keeps only
+    recent tokens (past its 4 sinks), every share is a fraction."""
+    KVPPolicy.random_init(TraceSet(tiny_traces).shape).save(tmp_path / "p")
+    out = tmp_path / "recency.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "recency_kept.py"
+    proc = subprocess.run([sys.executable, str(script), "--traces", str(tiny_traces), "--checkpoint",
+                           str(tmp_path / "p"), "--budgets", "64,128", "--recent", "128", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    cell = {(r["rule"], r["budget"]): r for r in res["rows"]}
+    assert res["traces"] == 16 and all(n > 128 for n in res["prompt_tokens"])
+    for b in (64, 128):
+        assert all(cell[("oracle", b)]["kept_mass"] >= cell[(r, b)]["kept_mass"] - 1e-9
+                   for r in ("kvp", "snapkv", "tova", "streaming", "keydiff", "lagkv"))
+        assert cell[("streaming", b)]["recent_share"] == pytest.approx((b - 4) / b)
+        assert all(0.0 <= r["recent_share"] <= 1.0 and 0.0 <= r["kept_mass"] <= 1.0 + 1e-6 for r in res["rows"])
+    assert cell[("oracle", 128)]["kept_mass"] >= cell[("oracle", 64)]["kept_mass"]
