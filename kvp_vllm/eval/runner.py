@@ -277,8 +277,8 @@ def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[D
     A folder holds one policy's KVP rows (rows of another are recomputed, never mixed), so comparing
     two policies means evaluating the second in a folder of its own and merging here. Both folders
     must have evaluated the same prompts: every full-cache row they share must agree (prompt length,
-    greedy output, gold log-likelihood to 1e-4 relative), else RowMismatch. complete_rows() then keeps the samples that
-    both folders have."""
+    greedy output, gold log-likelihood to 1e-4 relative), else RowMismatch. complete_rows() then keeps
+    the samples that both folders have."""
     if label in {r["rule"] for r in base}:
         raise ValueError(f"label {label!r} is already a rule of the base rows")
     full = {row_key(r): r for r in base if r["rule"] == FULL}
