@@ -33,6 +33,16 @@ def _series(agg: List[Dict], task: str, protocol: str, metric: str):
     return {r: sorted(v) for r, v in lines.items()}, full
 
 
+def _style_axis(ax, title: str, ylabel: str) -> None:
+    """Every panel: log2 cache-size x axis, small fonts, light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("cache size (tokens kept per KV head)", fontsize=7)
+    ax.set_ylabel(ylabel, fontsize=7)
+    ax.tick_params(labelsize=6)
+    ax.grid(alpha=0.3)
+
+
 def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     lines, full = _series(agg, task, protocol, metric)
     for rule in sorted(lines, key=_rule_order):
@@ -43,12 +53,7 @@ def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     if full is not None and full.get(full_metric) is not None:
         ax.axhline(full[full_metric], color="gray", ls="--", lw=1, label="full cache")
         title += f" (n={full['n']}, full={full[full_metric]:.2f})"
-    ax.set_xscale("log", base=2)
-    ax.set_title(title, fontsize=8)
-    ax.set_xlabel("cache size (tokens kept per KV head)", fontsize=7)
-    ax.set_ylabel(ylabel, fontsize=7)
-    ax.tick_params(labelsize=6)
-    ax.grid(alpha=0.3)
+    _style_axis(ax, title, ylabel)
 
 
 def _rule_order(rule: str) -> int:
@@ -80,12 +85,7 @@ def plot_task_average(avg: List[Dict], out_dir: Path) -> List[Path]:
             if full is not None:
                 ax.axhline(full["accuracy"], color="gray", ls="--", lw=1, label="full cache")
                 title += f" ({full['tasks']} tasks, {full['samples']} samples, full={full['accuracy']:.2f})"
-            ax.set_xscale("log", base=2)
-            ax.set_title(title, fontsize=8)
-            ax.set_xlabel("cache size (tokens kept per KV head)", fontsize=7)
-            ax.set_ylabel("task-averaged accuracy", fontsize=7)
-            ax.tick_params(labelsize=6)
-            ax.grid(alpha=0.3)
+            _style_axis(ax, title, "task-averaged accuracy")
         if drawn:
             handles, labels = axes.flat[0].get_legend_handles_labels()
             fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 10), fontsize=7)
