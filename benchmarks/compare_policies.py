@@ -28,13 +28,17 @@ from kvp_vllm.eval.plots import plot_all  # noqa: E402
 from kvp_vllm.eval.runner import (RowMismatch, aggregate, checkpoint_sha256, complete_rows,  # noqa: E402
                                   current_rows, markdown_summary, merge_policy_rows, read_rows,
                                   task_average, task_average_table)
+from kvp_vllm.eval.store import MixedStore  # noqa: E402
 
 
 def folder_rows(folder: Path):
     """A folder's current rows: KVP rows of the policy its results.json names."""
     res = json.loads((folder / "results.json").read_text())
     sha = res["settings"].get("checkpoint_weights_sha256") or checkpoint_sha256(res["settings"].get("checkpoint"))
-    rows = current_rows(read_rows(folder / "rows.jsonl"), sha)
+    try:
+        rows = current_rows(read_rows(folder / "rows.jsonl"), sha)  # rows.jsonl.gz or a plain rows.jsonl
+    except MixedStore as e:
+        raise SystemExit(f"compare_policies: {e}")
     if not rows:
         raise SystemExit(f"compare_policies: no rows in {folder}")
     return rows, sha

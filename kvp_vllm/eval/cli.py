@@ -4,6 +4,9 @@ Example (the committed 2K benchmark; resumable - rerun the same command to conti
 once its checkpoint exists):
   python -m kvp_vllm.eval.cli --lengths 2K --samples 50 --budgets 64,128,256,512,1024 \
       --out benchmarks/results/eval_smollm2_2k
+
+The folder's raw files are gzip-compressed (rows.jsonl.gz, per_sample.csv.gz, progress.log.gz; read
+them with zcat); a folder from before that keeps its plain rows.jsonl until --compress-store.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "was 5-8x faster than two)")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite results/plots from stored rows and print markdown summary tables")
+    p.add_argument("--compress-store", action="store_true",
+                   help="migrate an older --out folder once: gzip its plain rows.jsonl, per_sample.csv and "
+                        "progress.log (checked to read back) and remove the plain files; nothing else runs")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -91,6 +97,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     def fail(msg: str):
         parser.exit(2, f"kvp-eval: error: {msg}\n")
 
+    if args.compress_store:
+        from .store import MixedStore, compress_folder
+
+        if not args.out or not Path(args.out).is_dir():
+            fail("--compress-store needs --out FOLDER (an existing result folder)")
+        try:
+            done = compress_folder(args.out)
+        except MixedStore as e:
+            fail(str(e))
+        for name, before, after in done:
+            print(f"{args.out}/{name}.gz: {before} -> {after} bytes", file=sys.stderr)
+        if not done:
+            print(f"{args.out}: no plain raw file to compress", file=sys.stderr)
+        return 0
     try:
         tasks = list(DEFAULT_TASKS) if args.tasks == "all" else _csv(args.tasks)
         for t in tasks:
@@ -152,7 +172,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                      protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint)
     if args.report_only:
         from .plots import plot_all
-        rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint))
+        from .store import MixedStore
+
+        try:
+            rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint))  # or .gz
+        except MixedStore as e:
+            fail(str(e))
         if not rows:
             fail(f"no stored rows in {out}")
         res = write_outputs(out, cfg, rows, {"report_only": True})

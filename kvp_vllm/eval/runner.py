@@ -1,10 +1,15 @@
 """Evaluation runner: samples x rules x budgets x protocols, resumable, JSON + CSV outputs.
 
-Storage (in the output folder):
-  rows.jsonl       one line per (sample, protocol, rule, budget): the resume store, appended per sample
-  run.json         the settings the folder was started with (a resumed run must match them)
-  results.json     settings, what was measured (samples per task), aggregated rows, timings
-  per_sample.csv   the rows, flattened;  aggregate.csv  the aggregated rows;  plots (plots.py)
+Storage (in the output folder; the raw files gzip-compressed, see store.py):
+  rows.jsonl.gz      one line per (sample, protocol, rule, budget): the resume store, appended per
+                     sample (one gzip member each; rewritten as one member when a run ends)
+  progress.log.gz    per-sample timings by stage (`zcat progress.log.gz | tail`)
+  run.json           the settings the folder was started with (a resumed run must match them)
+  results.json       settings, what was measured (samples per task), aggregated rows, timings
+  per_sample.csv.gz  the rows, flattened;  aggregate.csv  the aggregated rows;  plots (plots.py)
+A folder made before the raw files were compressed has plain rows.jsonl / progress.log: a resumed run
+keeps appending to those (`kvp-eval --compress-store --out FOLDER` migrates it once); readers take
+either name.
 
 Resuming: a sample is skipped when every requested (protocol, rule, budget) row of it is stored; when
 only some rules are missing (e.g. KVP added later with --checkpoint) only those are computed (the
@@ -15,23 +20,23 @@ newest row of a key wins), so one folder never mixes two policies.
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import json
 import math
-import os
 import platform
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..scorers import make_scorer
 from . import protocol as P
+from .store import (MixedStore, append_rows, append_text, compact, read_rows,  # noqa: F401 (re-exported)
+                    store_path, write_csv)
 from .tasks import TASKS, Renderer, Sample, make_sample, score_answers
 
 FULL = "full"
@@ -166,34 +171,6 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
 
 # ---------------------------------------------------------------------------------------------
 # Store
-
-
-def read_rows(path: Path) -> List[Dict]:
-    rows = []
-    if path.exists():
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by an interrupted write
-                    continue
-    return rows
-
-
-def append_rows(path: Path, rows: Iterable[Dict]) -> None:
-    """Append under an exclusive lock: processes running disjoint --tasks may share one folder."""
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def checkpoint_sha256(checkpoint: Optional[str]) -> Optional[str]:
@@ -404,18 +381,6 @@ CSV_ROW_FIELDS = ["task", "length", "index", "protocol", "rule", "budget", "kept
                   "gold_tokens", "output"]
 
 
-def write_csv(path: Path, rows: List[Dict], fields: Optional[List[str]] = None) -> None:
-    if fields is None:
-        fields = []
-        for r in rows:
-            fields.extend(k for k in r if k not in fields)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-
-
 def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
     """Per task/length: samples with a stored row for every given rule."""
     have: Dict[Tuple, set] = defaultdict(set)
@@ -443,14 +408,14 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
         "notes": ["perplexity task: both protocols coincide (no question), reported as query_aware",
                   "accuracy = every expected answer present in the greedy output (RULER exact match)",
                   "aggregates cover the samples that have every rule and budget (the same samples "
-                  "for every rule); per_sample.csv has every row",
+                  "for every rule); per_sample.csv.gz has every row",
                   "delta_logprob_per_token = teacher-forced log-likelihood of the gold answer per "
                   "token under the compressed cache minus the full cache (0 = no loss)"],
         "aggregate": agg,
         "task_average": task_average(rows),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    write_csv(out_dir / "per_sample.csv", rows, CSV_ROW_FIELDS)
+    write_csv(out_dir / "per_sample.csv.gz", rows, CSV_ROW_FIELDS)  # removes a plain per_sample.csv
     write_csv(out_dir / "aggregate.csv", agg)
     return results
 
@@ -474,7 +439,10 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
                                  f" (now {cfg.identity()}); use another --out folder")
         else:
             meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
-    store = out_dir / "rows.jsonl"
+    try:
+        store, log_path = store_path(out_dir, "rows.jsonl"), store_path(out_dir, "progress.log")
+    except MixedStore as e:
+        raise SystemExit(f"error: {e}")
     kvp_sha = checkpoint_sha256(cfg.checkpoint)
     rows = read_rows(store)
     have = {row_key(r): r for r in rows if is_current(r, kvp_sha)}  # a stale KVP row counts as missing
@@ -509,9 +477,9 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         rows.extend(new)
         computed += 1
         timings["samples"] += 1
-        with open(out_dir / "progress.log", "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {sample.key} rules={','.join(missing)} "
-                    f"elapsed={time.time() - started:.0f}s stages={ {k: round(v) for k, v in timings.items()} }\n")
+        stages = {k: round(v) for k, v in timings.items()}
+        append_text(log_path, f"{time.strftime('%H:%M:%S')} {sample.key} rules={','.join(missing)} "
+                              f"elapsed={time.time() - started:.0f}s stages={stages}\n")
     bar.close()
     elapsed = time.time() - started
     extra = {"this_invocation": {"samples_computed": computed, "seconds": round(elapsed, 1),
@@ -521,6 +489,8 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     # row, so whichever process writes last writes the complete results.
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        for path in (store, log_path):
+            compact(path)  # the per-sample gzip members as one (no-op for a plain file)
         rows = current_rows(read_rows(store), kvp_sha)
         results = write_outputs(out_dir, cfg, rows, extra)
         if plots:

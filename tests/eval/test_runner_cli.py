@@ -8,6 +8,7 @@ import torch
 
 from kvp_vllm.eval import cli
 from kvp_vllm.eval.runner import EvalConfig, read_rows, row_key, run, task_average
+from kvp_vllm.eval.store import _scan, append_rows, read_bytes, read_csv
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,16 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
     res = run(cfg(1, ["random", "oracle"]), small_model, tokenizer, tmp_path, progress=False)
     assert res["measured"]["this_invocation"]["samples_computed"] == 2
     assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 1, "ppl_essay/256": 1}
-    rows = read_rows(tmp_path / "rows.jsonl")
+    rows = read_rows(tmp_path / "rows.jsonl")  # finds rows.jsonl.gz
     # niah: 2 protocols x (full + 2 rules x 3 budgets); ppl: 1 protocol (no question) x 7
     assert len(rows) == 14 + 7
     assert len({row_key(r) for r in rows}) == len(rows)
-    for name in ["results.json", "per_sample.csv", "aggregate.csv", "eval_accuracy_query_aware_256.png",
+    # the raw files are compressed; the store was rewritten as one gzip member when the run ended
+    assert not (tmp_path / "rows.jsonl").exists() and not (tmp_path / "per_sample.csv").exists()
+    assert _scan((tmp_path / "rows.jsonl.gz").read_bytes()).members == 1
+    assert len(read_csv(tmp_path / "per_sample.csv.gz")) == len(rows)
+    assert len(read_bytes(tmp_path / "progress.log.gz").splitlines()) == 2
+    for name in ["results.json", "per_sample.csv.gz", "aggregate.csv", "eval_accuracy_query_aware_256.png",
                  "eval_task_average_256.png",
                  "eval_perplexity_ppl_essay_256.png", "eval_loglik_query_agnostic_256.png"]:
         assert (tmp_path / name).exists(), name
@@ -67,6 +73,52 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
     assert {r["rule"] for r in after} - {r["rule"] for r in before.values()} == {"knorm"}
     agg = json.loads((tmp_path / "results.json").read_text())["aggregate"]
     assert any(a["rule"] == "knorm" and a["n"] == 2 for a in agg)
+
+
+def _one_task_cfg(samples):
+    return EvalConfig(tasks=["niah_single_repeat"], lengths=[256], samples=samples, budgets=[32],
+                      rules=["random"], protocols=["query_aware"])
+
+
+def test_resume_from_a_cut_gz_store(tmp_path, small_model, tokenizer):
+    """A run killed mid-write leaves a cut gzip member: the rows before it are kept, the cut sample is
+    recomputed, and the store reads whole again."""
+    run(_one_task_cfg(2), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    store = tmp_path / "rows.jsonl.gz"
+    whole = read_rows(store)
+    assert len(whole) == 4  # 2 samples x (full, random)
+    two_samples = store.read_bytes()
+    run(_one_task_cfg(3), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    third = [r for r in read_rows(store) if r["index"] == 2]
+    store.write_bytes(two_samples)  # as if the third sample's append had been cut short:
+    append_rows(store, third)
+    store.write_bytes(store.read_bytes()[:-15])
+    assert read_rows(store)[:4] == whole
+    res = run(_one_task_cfg(3), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    assert res["measured"]["rows"] == 6
+    assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 3}
+    assert len({row_key(r) for r in read_rows(store)}) == 6
+    assert _scan(store.read_bytes()).damage is None
+
+
+def test_a_plain_rows_jsonl_folder_keeps_its_store(tmp_path, small_model, tokenizer):
+    """A folder from before compression: resuming appends to its plain rows.jsonl (no second store);
+    per_sample.csv is rewritten compressed; a folder with both stores is refused."""
+    run(_one_task_cfg(1), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    (tmp_path / "rows.jsonl").write_bytes(read_bytes(tmp_path / "rows.jsonl.gz"))  # as an old run left it
+    (tmp_path / "progress.log").write_bytes(read_bytes(tmp_path / "progress.log.gz"))
+    (tmp_path / "per_sample.csv").write_bytes(read_bytes(tmp_path / "per_sample.csv.gz"))
+    for name in ("rows.jsonl.gz", "progress.log.gz", "per_sample.csv.gz"):
+        (tmp_path / name).unlink()
+    res = run(_one_task_cfg(2), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    assert res["measured"]["this_invocation"]["samples_computed"] == 1
+    assert len(read_rows(tmp_path / "rows.jsonl")) == 4
+    assert not (tmp_path / "rows.jsonl.gz").exists() and not (tmp_path / "progress.log.gz").exists()
+    assert len((tmp_path / "progress.log").read_text().splitlines()) == 2
+    assert len(read_csv(tmp_path / "per_sample.csv.gz")) == 4 and not (tmp_path / "per_sample.csv").exists()
+    (tmp_path / "rows.jsonl.gz").write_bytes(b"")
+    with pytest.raises(SystemExit, match="both rows.jsonl and rows.jsonl.gz"):
+        run(_one_task_cfg(2), small_model, tokenizer, tmp_path, progress=False, plots=False)
 
 
 def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model, tokenizer):
