@@ -89,6 +89,20 @@ class Scorer:
         """Return float32 scores [kv_heads, T]; higher = keep."""
         raise NotImplementedError
 
+    @property
+    def query_window(self) -> int:
+        """How many of the last queries the rule reads (0 = none): what the server captures."""
+        return 0
+
+    def select_paged(self, layer: int, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
+                     seq_lens, budgets, positions: torch.Tensor, position_lengths, n_sink: int,
+                     n_recent: int):
+        """Optional fused path for the server: score + select a batch of requests of one layer
+        straight from vLLM's paged cache (see ``kvp_vllm.kernels.paged_score_select`` for the
+        arguments) and return a ``kvp_vllm.kernels.Selection``. None (the default) means the rule has
+        no such path: the server gathers each request's keys/values and calls :meth:`score`."""
+        return None
+
 
 SCORERS: Dict[str, Type[Scorer]] = {}
 

@@ -30,3 +30,12 @@ class KVPScorer(Scorer):
     @torch.no_grad()
     def score(self, kv: LayerKV) -> torch.Tensor:
         return self.policy.score_layer(kv.layer, kv.keys, kv.values, kv.positions)
+
+    def select_paged(self, layer, kv_cache, layout, block_tables, seq_lens, budgets, positions,
+                     position_lengths, n_sink, n_recent):
+        """The fused score + select kernel (Triton on CUDA tensors, its torch reference on CPU)."""
+        from ..kernels import paged_score_select
+
+        return paged_score_select(self.policy, layer, kv_cache, layout, block_tables, seq_lens, budgets,
+                                  n_sink, n_recent, positions=positions,
+                                  position_lengths=position_lengths)

@@ -20,6 +20,10 @@ class SnapKVScorer(Scorer):
     kernel_size: int = 5
     needs_queries = True
 
+    @property
+    def query_window(self) -> int:
+        return self.window
+
     def score(self, kv: LayerKV) -> torch.Tensor:
         q = kv.grouped_queries()
         w = min(self.window, q.shape[2], kv.length)

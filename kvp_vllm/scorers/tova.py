@@ -13,6 +13,10 @@ from .base import LayerKV, Scorer, attention_probs, register
 class TOVAScorer(Scorer):
     needs_queries = True
 
+    @property
+    def query_window(self) -> int:
+        return 1
+
     def score(self, kv: LayerKV) -> torch.Tensor:
         q = kv.grouped_queries()[:, :, -1:]  # the last query only
         probs = attention_probs(q, kv.keys, kv.positions[-1:], kv.positions)

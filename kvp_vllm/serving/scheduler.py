@@ -37,6 +37,27 @@ class SchedState:
     compacted: bool = False    # the post-prefill compaction point has passed
 
 
+def freed_blocks_at(length: int, k_blocks: int, first: bool, budget: int, interval: int,
+                    block_size: int) -> int:
+    """Blocks a request of `length` cached tokens (k_blocks of them already freed) frees at a decode
+    step: after its prefill (`first`) once it holds more than `budget` live tokens, later once it
+    holds more than budget + interval; always whole blocks, keeping at least `budget`."""
+    live = length - k_blocks * block_size
+    if live <= (budget if first else budget + interval):
+        return 0
+    return (live - budget) // block_size
+
+
+def next_compaction_length(num_prompt: int, k_blocks: int, first_done: bool, budget: int, interval: int,
+                           block_size: int) -> int:
+    """The smallest length at which `freed_blocks_at` orders the request's next compaction (the
+    worker captures the queries of the tokens just before it)."""
+    if not first_done and freed_blocks_at(num_prompt, k_blocks, True, budget, interval, block_size):
+        return num_prompt
+    later = k_blocks * block_size + budget + max(interval + 1, block_size)
+    return later if first_done else max(num_prompt + 1, later)
+
+
 class SchedulerEviction:
     def __init__(self, scheduler, cfg: EvictionConfig):
         self.sched = scheduler
@@ -84,13 +105,9 @@ class SchedulerEviction:
                 if st is None:
                     continue
                 self.reqs[rid] = st
-            live = L - st.k_blocks * self.block_size
-            trigger = st.budget if not st.compacted else st.budget + self.cfg.interval
             first = not st.compacted
             st.compacted = True
-            if live <= trigger:
-                continue
-            k_inc = (live - st.budget) // self.block_size
+            k_inc = freed_blocks_at(L, st.k_blocks, first, st.budget, self.cfg.interval, self.block_size)
             if k_inc < 1:
                 continue
             order = self._order(rid, L, st, k_inc)

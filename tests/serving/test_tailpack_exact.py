@@ -1,7 +1,9 @@
 """Tail-pack is exact: vLLM with eviction (in-process engine, fp32, real SmolLM2, chunked prefill in
 128-token chunks) produces the same greedy tokens as a Hugging Face reference whose cache keeps
 exactly the same tokens per layer and KV head (positions preserved), and differs from the
-uncompressed reference (so the check has teeth). The freed blocks go back to the pool and come back
+uncompressed reference (so the check has teeth): K-Norm's selection recomputed independently after
+prefill, and KVP's own server path (the fused score + select) through a decode-time re-compaction,
+replayed from what the worker kept (`kvp_vllm.serving.replay`). The freed blocks go back to the pool and come back
 when the request ends. The engine has a small block pool so a second test can force preemption.
 """
 
@@ -18,6 +20,8 @@ PROMPT_REPEATS = 40
 BUDGET = 100
 BLOCK = 32
 NEW_TOKENS = 24
+INTERVAL = 48
+LONG_TOKENS = 96  # > BUDGET + BLOCK + INTERVAL: compacted after prefill and again while decoding
 POOL_BLOCKS = 24  # 768 tokens: room for the exactness test, too small for the preemption test
 
 
@@ -30,7 +34,10 @@ def engine():
     from kvp_vllm.serving.config import ENV_VAR, EvictionConfig
 
     old = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = EvictionConfig(rule="knorm", budget=BUDGET, interval=64).to_env()
+    from kvp_vllm.serving.config import shipped_checkpoint
+
+    os.environ[ENV_VAR] = EvictionConfig(rule="knorm", budget=BUDGET, interval=INTERVAL,
+                                         checkpoint=str(shipped_checkpoint("SmolLM2-135M-Instruct"))).to_env()
     plugin.register()
     from vllm import LLM
 
@@ -100,6 +107,32 @@ def test_knorm_eviction_matches_reference_that_keeps_the_same_tokens(engine, smo
     want = _hf_reference(model, ids, "knorm")
     full = _hf_reference(model, ids, None)
     assert got == want
+    assert got != full, "the compressed and uncompressed references agree: the check has no teeth"
+
+
+def test_kvp_and_decode_recompaction_match_a_replay_of_the_kept_tokens(engine, smollm2):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvp_vllm.serving.replay import hf_replay, record_compactions
+
+    model, tok = smollm2
+    ids = _prompt_ids(tok)
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True,
+                            extra_args={"kv_budget": BUDGET, "kv_rule": "kvp"})
+    with record_compactions(engine) as history:
+        out = engine.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
+    got = list(out.outputs[0].token_ids)
+    (record,) = history.values()
+    lengths = [length for length, _ in record]
+    assert lengths[0] == len(ids), "the first compaction is right after prefill"
+    assert len(lengths) >= 2, f"no decode-time re-compaction in {LONG_TOKENS} tokens: {lengths}"
+    for length, kept in record:
+        assert kept.shape[2] == length - (length - BUDGET) // BLOCK * BLOCK
+        assert not torch.equal(kept[:, 0], kept[:, 1]), "KV heads kept the same tokens"
+    want, _, _ = hf_replay(model, ids, LONG_TOKENS, record)
+    assert got == want
+    full, _, _ = hf_replay(model, ids, LONG_TOKENS)
     assert got != full, "the compressed and uncompressed references agree: the check has no teeth"
 
 
