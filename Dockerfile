@@ -1,7 +1,7 @@
 # kvp-vllm on GPUs: the official vLLM OpenAI image at the pinned version, plus this package.
 # Build: docker build -t kvp-vllm .     Run: docker run --gpus all -p 8000:8000 kvp-vllm
-# Note: KV eviction on GPUs awaits the Model Runner V2 hooks; until then kvp-vllm refuses
-# --kv-eviction on a GPU at start-up (pass `... --kv-eviction none` to serve without eviction).
+# Eviction runs in vLLM's V1 GPU model runner with CUDA graphs: `kvp-vllm serve` sets
+# VLLM_USE_V2_MODEL_RUNNER=0 and --no-async-scheduling itself (FlashAttention or Triton attention).
 FROM vllm/vllm-openai:v0.32.0
 
 ENV KVP_VLLM_CACHE=/opt/kvp-vllm/cache
