@@ -4,8 +4,10 @@ cannot: constructs the compiler rejects, shared-memory overflow, register spills
 
   python benchmarks/compile_check.py                 # sm_90 (H100/H200), all configs -> results JSON
   python benchmarks/compile_check.py --quick         # select + compact + the small scorer only
+  python benchmarks/compile_check.py --smoke         # one select, one compact, the small scorer (tests)
 
-The layout strides are passed as the constexprs a real launch specialises them to (flash layout).
+The dim strides are the constexprs a real launch on vLLM's GPU layout passes (1); token strides are
+runtime arguments (NHD and HND share one binary).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+if "--use-cache" not in sys.argv:  # a fresh Triton cache: every config really compiles, times are real
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvp-compile-check-")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,7 +76,7 @@ def score_config(name, d, kd, vd, pd, hd, precision, block_t, num_warps, cache="
         ptrs[w] = "*bf16" if precision == "bf16" else "*fp32"
     for v in VECTORS:
         ptrs[v] = "*fp32"
-    consts = dict(k_st=heads * d, k_sd=1, v_st=heads * d, v_sd=1, PAGE=page, D=d, KD=kd, VD=vd, PD=pd,
+    consts = dict(k_sd=1, v_sd=1, PAGE=page, D=d, KD=kd, VD=vd, PD=pd,
                   HD=hd, NPF=34, NPF_PAD=64, NFREQ=8, DEPTH=2, BLOCK_T=block_t, BK=32,
                   SW=max(kd + vd + pd, hd), HAS_POS=False, PRECISION=precision, FUSE_HIST=True)
     return dict(kernel="score", policy=name, head_dim=d, precision=precision, block_t=block_t,
@@ -82,8 +86,11 @@ def score_config(name, d, kd, vd, pd, hd, precision, block_t, num_warps, cache="
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="one select and one compact config (tests)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one select, one compact and the small-policy scorer config (tests)")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--use-cache", action="store_true",
+                    help="use Triton's normal kernel cache (default: a fresh temporary one)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_check_sm90.json")
     args = ap.parse_args(argv)
     score, select, compact = _kernels()
@@ -99,7 +106,7 @@ def main(argv=None):
             jobs.append((dict(kernel="compact", head_dim=d, chunk=chunk, num_warps=warps), compact,
                          ({"cache_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
                            "counts_ptr": "*i32", "kept_ptr": "*i32"}, set(),
-                          dict(k_st=4 * d, k_sd=1, v_st=4 * d, v_sd=1, PAGE=16, D=d, CHUNK=chunk),
+                          dict(k_sd=1, v_sd=1, PAGE=16, D=d, CHUNK=chunk),
                           warps)))
     jobs.append((*score_config("small", 64, 32, 32, 16, 64, "tf32", 64, 4, heads=3)[:1], score,
                  score_config("small", 64, 32, 32, 16, 64, "tf32", 64, 4, heads=3)[1]))
@@ -111,7 +118,8 @@ def main(argv=None):
     if args.smoke:
         jobs = [j for j in jobs if (j[0]["kernel"] == "select" and j[0]["block"] == 2048
                                     and j[0]["hist_in"]) or
-                (j[0]["kernel"] == "compact" and j[0]["head_dim"] == 128 and j[0]["chunk"] == 32)]
+                (j[0]["kernel"] == "compact" and j[0]["head_dim"] == 128 and j[0]["chunk"] == 32)
+                or (j[0]["kernel"] == "score" and j[0]["policy"] == "small")]
     results, failed = [], 0
     for meta, fn, a in jobs:
         try:

@@ -42,10 +42,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def paged(layout, lens, heads, hd, bs, dtype):
+def paged(case, lens, heads, hd, bs, dtype):
+    """case: "gpu-NHD", "gpu-HND" or "cpu"."""
+    layout, _, order = case.partition("-")
     need = [-(-n // bs) for n in lens]
     total = sum(need) + 3
-    cache = K.make_cache(layout, total, bs, heads, hd, dtype, DEV)
+    cache = K.make_cache(layout, total, bs, heads, hd, dtype, DEV, order=order or None)
     cache.copy_(torch.randn(cache.shape, device=DEV) * 2)
     perm = torch.randperm(total, device=DEV).to(torch.int32)
     table = torch.full((len(lens), max(need) + 1), total + 99, dtype=torch.int32, device=DEV)
@@ -60,11 +62,12 @@ def bits(t):
     return t.view(torch.int16)
 
 
-def check_score_select(layout, hd, bs, dtype, lens, budgets, precision, reference=False):
+def check_score_select(case, hd, bs, dtype, lens, budgets, precision, reference=False):
+    layout = case.partition("-")[0]
     heads = 4 if reference else 3
     policy = KVPPolicy.random_init(ModelShape(1, heads, hd), seed=random.randrange(1000),
                                    reference=reference).to(DEV)
-    cache, table = paged(layout, lens, heads, hd, bs, dtype)
+    cache, table = paged(case, lens, heads, hd, bs, dtype)
     ref = K.score_select_ref(policy, 0, cache, layout, table, lens, budgets, return_scores=True)
     counts = [block_aligned_budget(n, b, bs) for n, b in zip(lens, budgets)]
     packed = K.packed_layer(policy, 0, DEV, torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -108,11 +111,12 @@ def check_select_long():
     return out
 
 
-def check_compact(layout, hd, bs, dtype):
+def check_compact(case, hd, bs, dtype):
+    layout = case.partition("-")[0]
     heads = 3
     lens = [bs * 3 + 5, 2 * bs, 1, 30, 300 if DRY else 4000]
     counts = [block_aligned_budget(n, b, bs) for n, b in zip(lens, [21, 20, 20, 20, 500])]
-    cache, table = paged(layout, lens, heads, hd, bs, dtype)
+    cache, table = paged(case, lens, heads, hd, bs, dtype)
     kept = torch.full((len(lens), heads, max(counts)), -7777, dtype=torch.int32, device=DEV)
     for i, (n, c) in enumerate(zip(lens, counts)):
         for h in range(heads):
@@ -148,7 +152,7 @@ def main():
     results["triton"] = triton.__version__
     n = 0
     jobs = []
-    for layout in ("flash", "cpu"):
+    for layout in ("gpu-NHD", "gpu-HND", "cpu"):
         for hd in (64, 128):
             for bs in (16, 32, 128):
                 dt = (torch.bfloat16, torch.float16)[n % 2]
@@ -159,7 +163,7 @@ def main():
                 jobs.append((f"compact {layout} hd{hd} bs{bs} {dt}", check_compact, (layout, hd, bs, dt)))
     for precision in ("tf32", "bf16", "ieee"):
         jobs.append((f"score_select reference-size policy {precision}", check_score_select,
-                     ("flash", 128, 16, torch.bfloat16, [100, 37, 19] if DRY else [10240, 777, 19],
+                     ("gpu-NHD", 128, 16, torch.bfloat16, [100, 37, 19] if DRY else [10240, 777, 19],
                       [30, 20, 20] if DRY else [2560, 300, 20], "ieee" if DRY else precision,
                       True)))
     jobs.append(("radix select long rows", check_select_long, ()))

@@ -252,10 +252,10 @@ def triton_config_sweep(device, args, length=10240, grid=None):
 
     out = []
     budget = length // 4
-    policy, cache, table = build("qwen2.5-7b", [length], 16, "flash", torch.bfloat16, device)
+    policy, cache, table = build("qwen2.5-7b", [length], 16, "gpu", torch.bfloat16, device)
     lens_t = torch.tensor([length], dtype=torch.int32, device=device)
     counts_t = torch.tensor([budget], dtype=torch.int32, device=device)
-    ref = K.score_select_ref(policy, 0, cache, "flash", table, [length], [budget], return_scores=True)
+    ref = K.score_select_ref(policy, 0, cache, "gpu", table, [length], [budget], return_scores=True)
     # each (precision, block_t, warps) is one compile of a large kernel (ptxas: tens of seconds)
     g = grid or dict(precision=("tf32", "bf16"), block_t=(64, 128), warps=(8,), progs=(1, 2, 4),
                      select_block=(1024, 2048, 4096, 8192), select_warps=(4, 8, 16),
@@ -272,12 +272,12 @@ def triton_config_sweep(device, args, length=10240, grid=None):
                               num_programs=progs_per_sm * sms)
                     try:
                         hist = torch.zeros(1, 4, 256, dtype=torch.int32, device=device)
-                        scores = score_triton(packed, cache, "flash", table, lens_t, length, hist=hist,
+                        scores = score_triton(packed, cache, "gpu", table, lens_t, length, hist=hist,
                                               **kw)
                         err = ((scores[0] - ref.scores[0]).abs()
                                / (1e-3 + ref.scores[0].abs())).max().item()
                         junk = torch.zeros_like(hist)  # accumulates across reps; only timed
-                        ms = timeit(lambda: score_triton(packed, cache, "flash", table, lens_t, length,
+                        ms = timeit(lambda: score_triton(packed, cache, "gpu", table, lens_t, length,
                                                          hist=junk, **kw), device, args.reps, warmup=2)
                         sel_ms = timeit(lambda: select_triton(scores, lens_t, counts_t, budget, 4, 16,
                                                               hist=hist),
@@ -287,7 +287,7 @@ def triton_config_sweep(device, args, length=10240, grid=None):
                     except Exception as e:  # a config that does not compile is a result too
                         out.append(dict(kw, error=f"{type(e).__name__}: {str(e)[:300]}"))
                     print("config", out[-1], flush=True)
-    scores = score_triton(K.packed_layer(policy, 0, device), cache, "flash", table, lens_t, length)
+    scores = score_triton(K.packed_layer(policy, 0, device), cache, "gpu", table, lens_t, length)
     for block in g["select_block"]:
         for warps in g["select_warps"]:
             try:
@@ -300,12 +300,12 @@ def triton_config_sweep(device, args, length=10240, grid=None):
             print("config", out[-1], flush=True)
     from kvp_vllm.kernels.compact import compact_triton
 
-    sel = K.paged_score_select(policy, 0, cache, "flash", table, [length], [budget], backend="triton")
+    sel = K.paged_score_select(policy, 0, cache, "gpu", table, [length], [budget], backend="triton")
     work = cache.clone()
     for chunk in g["chunk"]:
         for warps in g["compact_warps"]:
             try:
-                ms = timeit(lambda: compact_triton(work, "flash", table, [length], sel.kept, sel.counts,
+                ms = timeit(lambda: compact_triton(work, "gpu", table, [length], sel.kept, sel.counts,
                                                    chunk=chunk, num_warps=warps), device, args.reps,
                             warmup=2, setup=lambda: work.copy_(cache))
                 out.append(dict(kernel="compact", chunk=chunk, num_warps=warps, compact_ms=ms))
@@ -377,7 +377,7 @@ def main(argv=None):
     batches = args.batches or ([1, 4, 16] if full else [1, 4])
     args.reps = args.reps or (10 if gpu else 3)
     if gpu:
-        layout, block_size, paths = "flash", 16, ["unfused", "torch_fused", "triton"]
+        layout, block_size, paths = "gpu", 16, ["unfused", "torch_fused", "triton"]
     else:
         layout, block_size, paths = "cpu", 32, ["unfused", "torch_fused"]
     dtype = torch.bfloat16

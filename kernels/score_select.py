@@ -4,7 +4,8 @@ Two launches per layer:
 
 1. ``_score_kernel`` — grid (token tiles, kv_heads, requests). Each program reads BLOCK_T tokens'
    keys and values straight out of the paged cache through the request's block table (no gathered
-   copy; both vLLM layouts via element strides, see paged.py), builds the position features in
+   copy; any element strides, see paged.py: vLLM's GPU layout in NHD or HND order, the CPU layout),
+   builds the position features in
    registers, and runs the head's whole MLP with ``tl.dot`` (fp32 accumulation): key/value/position
    Linear+LayerNorm, the first hidden layer as three partial products (no concat), the remaining
    [Linear, LayerNorm, SiLU] blocks and the output projection. Writes fp32 scores [B, H, max_len].
@@ -93,13 +94,22 @@ def _paged_linear(cache_ptr, base, tok_off, d_stride, mask_t, w_ptr, b_ptr, D: t
     return acc + tl.load(b_ptr + cols)[None, :]
 
 
-@triton.jit
+# Size-dependent integer arguments are not specialised (Triton would otherwise compile a new variant
+# whenever e.g. max_len switches between a multiple of 16 and not: tens of seconds of ptxas for the
+# reference-size scorer, in the middle of serving). The cache's strides stay specialised: they are
+# fixed for a server and their divisibility lets the paged loads vectorise. The dim strides are
+# constexpr (1 on the GPU layout, block_size for the CPU layout's transposed keys); the token strides
+# are runtime values, so NHD and HND caches and models with different head counts share one binary.
+_SCORE_NO_SPEC = ["bt_stride", "sc_sb", "sc_sh", "pos_stride", "pos_stride_h", "n_tiles",
+                  "tiles_per_req", "num_heads", "n_sink", "n_recent"]
+
+
+@triton.jit(do_not_specialize=_SCORE_NO_SPEC)
 def _score_kernel(
     cache_ptr, bt_ptr, lens_ptr, pos_ptr, plen_ptr, scores_ptr, scratch_ptr, hist_ptr,
     wk, bk, gk, betak, wv, bv, gv, betav, wp, bp, gp, betap, freqs_ptr,
     w0, b0, g0, beta0, wh, bh, gh, betah, wo, bo,
-    k_base, v_base, s_blk, s_head, k_st: tl.constexpr, k_sd: tl.constexpr, v_st: tl.constexpr,
-    v_sd: tl.constexpr,
+    k_base, v_base, s_blk, s_head, k_st, k_sd: tl.constexpr, v_st, v_sd: tl.constexpr,
     bt_stride, sc_sb, sc_sh, pos_stride, pos_stride_h, eps, n_tiles, tiles_per_req, num_heads, n_sink, n_recent,
     PAGE: tl.constexpr, D: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, PD: tl.constexpr,
     HD: tl.constexpr, NPF: tl.constexpr, NPF_PAD: tl.constexpr, NFREQ: tl.constexpr,
@@ -124,7 +134,7 @@ def _score_kernel(
             mask_t = offs_t < length
             # ---- paged read: block table -> physical block, offset in block
             blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + offs_t // PAGE, mask=mask_t, other=0)
-            slab = blk.to(tl.int64) * s_blk + h * s_head
+            slab = blk.to(tl.int64) * s_blk + h.to(tl.int64) * s_head
             within = (offs_t % PAGE).to(tl.int64)
             # ---- position features (position_features in policy.py)
             if HAS_POS:
@@ -207,7 +217,8 @@ def _keys_of(s, offs, length, n_sink, n_recent):
     return tl.where(protected, 4294967295, key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sc_sb", "sc_sh", "kp_sb", "kp_sh", "n_sink", "n_recent",
+                               "num_heads"])
 def _select_kernel(scores_ptr, lens_ptr, counts_ptr, kept_ptr, hist_ptr, sc_sb, sc_sh, kp_sb, kp_sh,
                    n_sink, n_recent, num_heads, BLOCK: tl.constexpr, HIST_IN: tl.constexpr):
     """HIST_IN: the first (top 8 bits) histogram pass was already accumulated by the score kernel

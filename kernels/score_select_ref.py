@@ -16,14 +16,13 @@ index asc) are kept, returned in ascending order. b' = ``block_aligned_budget(L,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from kvp_vllm.policy import KVPPolicy, position_features
+from kvp_vllm.policy import KVPPolicy, position_features, position_frequencies
 from kvp_vllm.selection import (DEFAULT_RECENT, DEFAULT_SINKS, block_aligned_budget, check_budget,
                                 protect, select_topb)
 
@@ -171,8 +170,7 @@ def pack_layer(policy: KVPPolicy, layer: int, dtype: torch.dtype = torch.float32
     else:  # placeholders, never read
         wh = torch.zeros(h, 1, c.hidden_dim, c.hidden_dim, device=device, dtype=dtype)
         bh = gh = betah = torch.zeros(h, 1, c.hidden_dim, device=device)
-    # the same fp32 frequencies position_features computes
-    freqs = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), c.pos_frequencies))
+    freqs = position_frequencies(c.pos_frequencies, device)  # what position_features uses
     packed = PackedLayer(
         wk=w(policy.key_proj.weight), bk=v(policy.key_proj.bias), gk=v(policy.key_norm.weight),
         betak=v(policy.key_norm.bias),
@@ -183,7 +181,7 @@ def pack_layer(policy: KVPPolicy, layer: int, dtype: torch.dtype = torch.float32
         w0=w(hid[0].weight), b0=v(hid[0].bias), g0=v(norms[0].weight), beta0=v(norms[0].bias),
         wh=wh, bh=bh, gh=gh, betah=betah,
         wo=v(policy.out.weight), bo=v(policy.out.bias).reshape(h),
-        freqs=freqs.to(device=device, dtype=torch.float32), eps=eps, depth=c.depth,
+        freqs=freqs.to(device=device), eps=eps, depth=c.depth,
         num_features=npf,
     )
     if dtype == torch.float32:

