@@ -102,12 +102,13 @@ def main(argv=None):
                            "kept_ptr": "*i32", "hist_ptr": "*i32"}, set(),
                           dict(BLOCK=block, HIST_IN=hist_in), warps)))
     for d in (64, 128):
-        for chunk, warps in ((4096 // d, 4), (64, 4), (128, 8)):
-            jobs.append((dict(kernel="compact", head_dim=d, chunk=chunk, num_warps=warps), compact,
-                         ({"cache_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
-                           "counts_ptr": "*i32", "kept_ptr": "*i32"}, set(),
-                          dict(k_sd=1, v_sd=1, PAGE=16, D=d, CHUNK=chunk),
-                          warps)))
+        for chunk, warps in ((2048 // d, 4), (4096 // d, 8)):
+            for stage in (1, 0):
+                jobs.append((dict(kernel="compact", head_dim=d, chunk=chunk, num_warps=warps,
+                                  phase="stage" if stage else "move"), compact,
+                             ({"cache_ptr": "*bf16", "stage_ptr": "*bf16", "bt_ptr": "*i32",
+                               "lens_ptr": "*i32", "counts_ptr": "*i32", "kept_ptr": "*i32"}, set(),
+                              dict(k_sd=1, v_sd=1, PAGE=16, D=d, CHUNK=chunk, STAGE=stage), warps)))
     jobs.append((*score_config("small", 64, 32, 32, 16, 64, "tf32", 64, 4, heads=3)[:1], score,
                  score_config("small", 64, 32, 32, 16, 64, "tf32", 64, 4, heads=3)[1]))
     if not args.quick:
@@ -118,7 +119,7 @@ def main(argv=None):
     if args.smoke:
         jobs = [j for j in jobs if (j[0]["kernel"] == "select" and j[0]["block"] == 2048
                                     and j[0]["hist_in"]) or
-                (j[0]["kernel"] == "compact" and j[0]["head_dim"] == 128 and j[0]["chunk"] == 32)
+                (j[0]["kernel"] == "compact" and j[0]["head_dim"] == 128 and j[0]["chunk"] == 16)
                 or (j[0]["kernel"] == "score" and j[0]["policy"] == "small")]
     results, failed = [], 0
     for meta, fn, a in jobs:

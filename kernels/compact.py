@@ -1,15 +1,21 @@
 """In-place tail compaction of the paged KV cache (Triton). Reference: compact_ref.py.
 
-Grid (kv_heads, requests). Head h of a request of length L keeps b' tokens kept[0] < ... < kept[b'-1];
-token j moves to slot dst_j = L - b' + j. Because the b' - 1 - j kept tokens after kept[j] are distinct
-and < L, kept[j] <= dst_j: every token moves towards the end (or stays).
+Head h of a request of length L keeps b' tokens kept[0] < ... < kept[b'-1]; token j moves to slot
+dst_j = L - b' + j (the block-aligned tail [L - b', L)). Because the b' - 1 - j kept tokens after
+kept[j] are distinct and < L, kept[j] <= dst_j: every token moves towards the end (or stays).
 
-Overlap safety: the program walks chunks of j from the last chunk to the first. A chunk's sources
-are all < the smallest destination of any later chunk (kept[j] <= L - b' + j < L - b' + j0' for
-every j < j0'), so no chunk reads a slot a previously processed chunk wrote. Inside a chunk all
-loads happen before any store (a barrier between them), so destinations that are also sources of
-the same chunk are read first. Tokens already in place (kept[j] == dst_j) are skipped. Heads and
-requests touch disjoint memory (each (block, head) slab is its own; requests own their blocks).
+Two launches over a grid (token chunks, kv_heads, requests), so every SM takes part (one program per
+head would leave a batch-1 request of a 4-KV-head model on 4 SMs):
+
+1. stage: every token whose source lies inside the tail (kept[j] >= L - b') and that moves is copied
+   to a staging buffer [B, H, b', 2*head_dim] -- only those sources can be overwritten by the move;
+2. move: every moving token is written to dst_j, read from the staging buffer if it was staged, else
+   from its slot (< L - b', never a destination).
+
+Race-free without any ordering inside a launch: launch 2 writes only slots in [L - b', L) and reads
+from the cache only slots < L - b'; launch 1 only reads the cache. Tokens already in place are not
+touched. Heads and requests touch disjoint memory. Bytes moved: K+V of each moving token read and
+written once, plus twice for the tail-sourced ones (at most b' - (tokens in place)).
 """
 
 from __future__ import annotations
@@ -28,49 +34,68 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # size-dependent arguments unspecialised (no recompiles as batches change); token strides runtime
 # (NHD and HND share a binary), dim strides constexpr -- see score_select.py
-@triton.jit(do_not_specialize=["bt_stride", "kp_sb", "kp_sh"])
-def _compact_kernel(cache_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
+@triton.jit(do_not_specialize=["bt_stride", "kp_sb", "kp_sh", "sg_sb", "sg_sh"])
+def _compact_kernel(cache_ptr, stage_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr,
                     k_base, v_base, s_blk, s_head, k_st, k_sd: tl.constexpr, v_st, v_sd: tl.constexpr,
-                    bt_stride, kp_sb, kp_sh,
-                    PAGE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
+                    bt_stride, kp_sb, kp_sh, sg_sb, sg_sh,
+                    PAGE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STAGE: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     length = tl.load(lens_ptr + b)
     count = tl.load(counts_ptr + b)
-    if count < length:
+    if (count < length) & (c * CHUNK < count):
         first = length - count
+        h64 = h.to(tl.int64)
         bt_row = bt_ptr + b.to(tl.int64) * bt_stride
         kp_row = kept_ptr + b.to(tl.int64) * kp_sb + h * kp_sh
+        j = c * CHUNK + tl.arange(0, CHUNK)
+        m = j < count
+        src = tl.load(kp_row + j, mask=m, other=0)
+        dst = first + j
+        move = m & (src != dst)
+        tail = src >= first
         od = tl.arange(0, D)
-        n_chunks = tl.cdiv(count, CHUNK)
-        for c in range(0, n_chunks):
-            j = (n_chunks - 1 - c) * CHUNK + tl.arange(0, CHUNK)
-            m = j < count
-            src = tl.load(kp_row + j, mask=m, other=0)
-            dst = first + j
-            move = m & (src != dst)
-            sblk = tl.load(bt_row + src // PAGE, mask=move, other=0).to(tl.int64)
+        staged = stage_ptr + (b.to(tl.int64) * sg_sb + h64 * sg_sh + j.to(tl.int64) * (2 * D))[:, None] \
+            + od[None, :]
+        if STAGE:
+            sel = move & tail
+            blk = tl.load(bt_row + src // PAGE, mask=sel, other=0).to(tl.int64)
+            slab = blk * s_blk + h64 * s_head
+            within = (src % PAGE).to(tl.int64)
+            ms = sel[:, None]
+            kk = tl.load(cache_ptr + k_base + (slab + within * k_st)[:, None] + od[None, :] * k_sd,
+                         mask=ms)
+            vv = tl.load(cache_ptr + v_base + (slab + within * v_st)[:, None] + od[None, :] * v_sd,
+                         mask=ms)
+            tl.store(staged, kk, mask=ms)
+            tl.store(staged + D, vv, mask=ms)
+        else:
+            direct = move & ~tail
+            blk = tl.load(bt_row + src // PAGE, mask=direct, other=0).to(tl.int64)
+            slab = blk * s_blk + h64 * s_head
+            within = (src % PAGE).to(tl.int64)
+            md = direct[:, None]
+            mt = (move & tail)[:, None]
+            kk = tl.load(cache_ptr + k_base + (slab + within * k_st)[:, None] + od[None, :] * k_sd,
+                         mask=md, other=0.0)
+            vv = tl.load(cache_ptr + v_base + (slab + within * v_st)[:, None] + od[None, :] * v_sd,
+                         mask=md, other=0.0)
+            kk = tl.where(mt, tl.load(staged, mask=mt, other=0.0), kk)
+            vv = tl.where(mt, tl.load(staged + D, mask=mt, other=0.0), vv)
             dblk = tl.load(bt_row + dst // PAGE, mask=move, other=0).to(tl.int64)
-            s_slab = sblk * s_blk + h.to(tl.int64) * s_head
-            d_slab = dblk * s_blk + h.to(tl.int64) * s_head
-            s_in = (src % PAGE).to(tl.int64)
+            d_slab = dblk * s_blk + h64 * s_head
             d_in = (dst % PAGE).to(tl.int64)
             mm = move[:, None]
-            ks = cache_ptr + k_base + (s_slab + s_in * k_st)[:, None] + od[None, :] * k_sd
-            vs = cache_ptr + v_base + (s_slab + s_in * v_st)[:, None] + od[None, :] * v_sd
-            kd = cache_ptr + k_base + (d_slab + d_in * k_st)[:, None] + od[None, :] * k_sd
-            vd = cache_ptr + v_base + (d_slab + d_in * v_st)[:, None] + od[None, :] * v_sd
-            kk = tl.load(ks, mask=mm)
-            vv = tl.load(vs, mask=mm)
-            tl.debug_barrier()
-            tl.store(kd, kk, mask=mm)
-            tl.store(vd, vv, mask=mm)
-            tl.debug_barrier()
+            tl.store(cache_ptr + k_base + (d_slab + d_in * k_st)[:, None] + od[None, :] * k_sd, kk,
+                     mask=mm)
+            tl.store(cache_ptr + v_base + (d_slab + d_in * v_st)[:, None] + od[None, :] * v_sd, vv,
+                     mask=mm)
 
 
 def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor, seq_lens,
                    kept: torch.Tensor, counts, chunk: int = 0, num_warps: int = 0) -> list:
-    """Tail-pack every request in one launch: kept [B, H, >=max b'] (ascending per head, int),
+    """Tail-pack every request (two launches: stage, move): kept [B, H, >=max b'] (ascending per head),
     counts [B] (b' per request). Returns the number of freed leading blocks per request."""
     g = cache_geometry(kv_cache, layout)
     dev = kv_cache.device
@@ -91,14 +116,23 @@ def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tens
     bt = block_tables.to(device=dev, dtype=torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     cnts_t = torch.tensor(cnts, dtype=torch.int32, device=dev)
-    # GPU: CHUNK * head_dim = 4096 elements per tile keeps the kernel spill-free at 4 warps (ptxas
-    # for sm_90: 232-244 registers, no stack at head_dim 64/128); 128 x 128 spills
-    chunk = chunk or (16 if INTERPRET else max(16, 4096 // g.head_dim))
+    # GPU: CHUNK * head_dim = 2048 elements per tile (16 tokens at head_dim 128); programs are many
+    # (chunks x heads x requests), so small tiles cost nothing and keep registers low
+    chunk = chunk or (16 if INTERPRET else max(1, 2048 // g.head_dim))
+    width = max(cnts) if cnts else 0
+    if width == 0 or all(c >= n for c, n in zip(cnts, lens)):
+        return [0] * len(lens)
+    stage = torch.empty(len(lens), g.num_kv_heads, width, 2 * g.head_dim, dtype=kv_cache.dtype,
+                        device=dev)
     off = kv_cache.storage_offset()
-    _compact_kernel[(g.num_kv_heads, len(lens))](
-        kv_cache, bt, lens_t, cnts_t, kept_d,
-        g.key.base - off, g.value.base - off, g.key.block, g.key.head, g.key.token, g.key.dim,
-        g.value.token, g.value.dim, bt.stride(0), kept_d.stride(0), kept_d.stride(1),
-        PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, num_warps=num_warps or (1 if INTERPRET else 4),
-    )
+    grid = (triton.cdiv(width, chunk), g.num_kv_heads, len(lens))
+    for phase in (1, 0):   # stage, then move (stream order separates them)
+        _compact_kernel[grid](
+            kv_cache, stage, bt, lens_t, cnts_t, kept_d,
+            g.key.base - off, g.value.base - off, g.key.block, g.key.head, g.key.token, g.key.dim,
+            g.value.token, g.value.dim, bt.stride(0), kept_d.stride(0), kept_d.stride(1),
+            stage.stride(0), stage.stride(1),
+            PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, STAGE=phase,
+            num_warps=num_warps or (1 if INTERPRET else 4),
+        )
     return [(length - cnt) // g.block_size if cnt < length else 0 for length, cnt in zip(lens, cnts)]
