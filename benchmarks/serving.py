@@ -509,6 +509,15 @@ def targets(by_label: Dict[str, dict], ratios: dict) -> dict:
 
 
 def three_runs(args, cfg: dict, stem: str) -> int:
+    """The model folder and policy live in a temporary folder, removed however the runs end."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvp-serving-synthetic-"))
+    try:
+        return _three_runs(args, cfg, stem, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _three_runs(args, cfg: dict, stem: str, tmp: Path) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from synthetic_model import write_model, write_policy
 
@@ -523,7 +532,6 @@ def three_runs(args, cfg: dict, stem: str) -> int:
     if cfg["requests"] > cfg["max_num_seqs"]:
         log(f"note: {cfg['requests']} requests > --max-num-seqs {cfg['max_num_seqs']}: the scheduler, not "
             f"the KV pool, caps the running requests")
-    tmp = Path(tempfile.mkdtemp(prefix="kvp-serving-synthetic-"))
     t = time.perf_counter()
     model = write_model(tmp / f"synthetic-{cfg['synthetic_model']}", cfg["synthetic_model"])
     policy = write_policy(tmp / "policy", model, reference=cfg["policy_widths"] == "reference",
@@ -608,7 +616,6 @@ def three_runs(args, cfg: dict, stem: str) -> int:
         plot(report, out / f"{stem}.png")
     except ImportError as e:
         log(f"no plot ({e})")
-    shutil.rmtree(tmp, ignore_errors=True)
     print_table(report, [r for r in report["runs"] if "error" not in r])
     log(f"done: wrote {json_path} and {stem}.png, server logs in {logs}")
     return 1 if failed else 0
