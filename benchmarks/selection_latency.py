@@ -7,8 +7,9 @@ Paths (one layer, a batch of requests, keys/values read from a paged cache):
   triton       the fused Triton kernels (GPU only): ``triton_kernels`` = the two launches with
                prepared inputs (what a serving loop with persistent buffers pays), ``triton`` = the
                ``paged_score_select`` call end to end
-Compaction: the torch reference (gather, then scatter) against the Triton kernel (GPU only), with the
-bandwidth it reaches (bytes of the tokens it moves, read + written) beside the measured copy bandwidth.
+Compaction: the torch reference (gather, then scatter) against the Triton kernels (GPU only; end to end
+and ``compact_triton_kernels`` = the two launches with prepared inputs), with the bandwidth they reach
+(bytes of the tokens that move, K+V read + written) beside the measured copy bandwidth.
 
 Shapes: Qwen2.5-7B (28 layers, 4 KV heads, head_dim 128) and Llama-3.1-8B (32 layers, 8 KV heads,
 head_dim 128) with the paper's reference policy widths (PolicyConfig.reference: 256/256/32/256), and
@@ -291,6 +292,13 @@ def run_point(shape, length, batch, args, device, layout, block_size, dtype, pat
         reset = lambda: work.copy_(cache)  # noqa: E731
         row["moved_mb"] = moved_bytes(sel, lens, cache) / 1e6
         if "triton" in paths:
+            from kvp_vllm.kernels.compact import compact_launch, compact_prepare
+
+            # the two launches with prepared inputs (what a worker with persistent buffers pays),
+            # then compact_tail_batched end to end (host checks, small copies, staging buffer)
+            prepared = compact_prepare(work, layout, table, lens, sel.kept, sel.counts)
+            row["compact_triton_kernels_ms"] = timeit(lambda: compact_launch(prepared), device, reps,
+                                                      setup=reset)
             row["compact_triton_ms"] = timeit(lambda: K.compact_tail_batched(
                 work, layout, table, lens, sel.kept, sel.counts, backend="triton"), device, reps,
                 setup=reset)
@@ -326,23 +334,24 @@ def add_floors(row, peaks):
             row[key.replace("_ms", "_per_request_ms")] = row[key] * row["layers"]
     if "compact_triton_ms" in row:
         row["compact_floor_ms"] = row["moved_mb"] / peaks["copy_gbps"]
-        row["compact_triton_gbps"] = row["moved_mb"] / row["compact_triton_ms"]  # MB/ms = GB/s
-        row["compact_triton_x_copy_bw"] = row["compact_triton_gbps"] / peaks["copy_gbps"]
-        row["compact_triton_per_request_ms"] = row["compact_triton_ms"] * row["layers"]
+        for key in ("compact_triton_kernels", "compact_triton"):
+            row[f"{key}_gbps"] = row["moved_mb"] / row[f"{key}_ms"]  # MB/ms = GB/s
+            row[f"{key}_x_copy_bw"] = row[f"{key}_gbps"] / peaks["copy_gbps"]
+            row[f"{key}_per_request_ms"] = row[f"{key}_ms"] * row["layers"]
 
 
 # ------------------------------------------------------------------------------------------------
 
 
-def triton_alternatives(device, args, length=10240, block_size=16):
+def triton_alternatives(device, args, length=10240, block_size=16, extra=()):
     """At the goal point (Qwen2.5-7B layer, 10K tokens, batch 1), a couple of alternatives to the
     default launch settings (each new score config is a compile of a large kernel, seconds of ptxas):
     bf16 dots, 128-token tiles, 1 or 4 programs per SM; the select with 4096-wide chunks; the
     compaction with 64-token chunks at 8 warps."""
-    from kvp_vllm.kernels.compact import compact_triton
+    from kvp_vllm.kernels.compact import compact_launch, compact_prepare
     from kvp_vllm.kernels.score_select import score_triton, select_triton
 
-    budget = length // 4
+    budget = max(20, length // 4)
     policy, cache, table = build("qwen2.5-7b", [length], block_size, "gpu", torch.bfloat16, device)
     lens_t = torch.tensor([length], dtype=torch.int32, device=device)
     counts_t = torch.tensor([budget], dtype=torch.int32, device=device)
@@ -352,6 +361,7 @@ def triton_alternatives(device, args, length=10240, block_size=16):
     hist = torch.zeros(1, 4, 256, dtype=torch.int32, device=device)
     configs = [dict(precision="tf32"), dict(precision="bf16"), dict(precision="tf32", block_t=128),
                dict(precision="tf32", num_programs=sms), dict(precision="tf32", num_programs=4 * sms)]
+    configs += [dict(precision="tf32", **e) if "precision" not in e else dict(e) for e in extra]
     for kw in configs:
         packed = K.packed_layer(policy, 0, device,
                                 torch.bfloat16 if kw["precision"] == "bf16" else torch.float32)
@@ -385,12 +395,12 @@ def triton_alternatives(device, args, length=10240, block_size=16):
     sel = K.paged_score_select(policy, 0, cache, "gpu", table, [length], [budget], backend="triton")
     work = cache.clone()
     moved = moved_bytes(sel, [length], cache)
-    for chunk, warps in ((16, 4), (32, 8)):
+    prepared = compact_prepare(work, "gpu", table, [length], sel.kept, sel.counts)
+    for chunk, warps in ((16, 4), (32, 8), (8, 4)):
         entry = dict(kernel="compact", chunk=chunk, num_warps=warps)
         try:
-            ms = timeit(lambda: compact_triton(work, "gpu", table, [length], sel.kept, sel.counts,
-                                               chunk=chunk, num_warps=warps), device, args.reps,
-                        setup=lambda: work.copy_(cache))
+            ms = timeit(lambda: compact_launch(prepared, chunk=chunk, num_warps=warps), device,
+                        args.reps, setup=lambda: work.copy_(cache))
             entry.update(compact_ms=ms, gbps=moved / 1e6 / ms)
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -419,7 +429,7 @@ def plot(result, path):
                 if all(key in r for r in b):
                     axes[0, col].plot(x, [r[key] for r in b], style, label=f"{key[:-3]} B={batch}")
             for key, style in (("compact_torch_ms", "o--"), ("compact_triton_ms", "^-"),
-                               ("compact_floor_ms", ":")):
+                               ("compact_triton_kernels_ms", "v-"), ("compact_floor_ms", ":")):
                 if all(key in r for r in b):
                     axes[1, col].plot(x, [r[key] for r in b], style, label=f"{key[:-3]} B={batch}")
         if shape == GOAL["shape"]:
@@ -445,7 +455,8 @@ def goal_summary(result):
     keys = ("triton_kernels_ms", "triton_score_ms", "triton_select_ms", "triton_ms", "unfused_ms",
             "torch_fused_ms", "floor_read_ms", "floor_compute_bf16_ms", "floor_compute_tf32_ms",
             "triton_kernels_x_read_floor", "triton_kernels_per_request_ms", "compact_triton_ms",
-            "compact_triton_gbps", "compact_triton_x_copy_bw", "compact_torch_ms")
+            "compact_triton_kernels_ms", "compact_triton_kernels_gbps", "compact_triton_kernels_x_copy_bw",
+            "compact_triton_gbps", "compact_triton_x_copy_bw", "compact_torch_ms", "moved_mb")
     out = {k: g.get(k) for k in keys}
     out.update(target_ms=GOAL["target_ms"], target_x_read_floor=GOAL["target_x_read_floor"],
                paper_b200_ms=GOAL["paper_b200_ms"])
@@ -472,6 +483,9 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting new points after this many seconds (default 150 with --full)")
     ap.add_argument("--no-alternatives", action="store_true", help="skip the Triton alternatives (GPU)")
+    ap.add_argument("--alt", type=json.loads, action="append", default=[],
+                    help='an extra score_triton config at the goal point, e.g. \'{"precision": "bf16", '
+                         '"block_t": 128}\' (keys: precision, block_t, block_k, num_warps, num_programs)')
     ap.add_argument("--no-flush", action="store_true", help="do not flush the GPU's L2 before each run")
     ap.add_argument("--skip-torch-compact", action="store_true", help="do not time the torch compaction")
     ap.add_argument("--out", type=Path, default=None)
@@ -555,7 +569,8 @@ def main(argv=None):
               flush=True)
     if (gpu or dry) and not args.no_alternatives and "qwen2.5-7b" in shapes:
         result["triton_alternatives_qwen_10k"] = []
-        gen = triton_alternatives(device, args, **(dict(length=min(lengths)) if dry else {}))
+        gen = triton_alternatives(device, args, extra=args.alt,
+                                  **(dict(length=min(lengths)) if dry else {}))
         while True:
             if over_budget("the remaining Triton alternatives"):
                 break

@@ -93,10 +93,18 @@ def _compact_kernel(cache_ptr, stage_ptr, bt_ptr, lens_ptr, counts_ptr, kept_ptr
                      mask=mm)
 
 
-def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor, seq_lens,
-                   kept: torch.Tensor, counts, chunk: int = 0, num_warps: int = 0) -> list:
-    """Tail-pack every request (two launches: stage, move): kept [B, H, >=max b'] (ascending per head),
-    counts [B] (b' per request). Returns the number of freed leading blocks per request."""
+class CompactLaunch:
+    """Validated, device-resident inputs of one compaction (see :func:`compact_prepare`)."""
+
+    def __init__(self, kv_cache, geometry, block_tables, lens_t, counts_t, kept, stage, freed):
+        self.kv_cache, self.g, self.block_tables = kv_cache, geometry, block_tables
+        self.lens_t, self.counts_t, self.kept, self.stage, self.freed = lens_t, counts_t, kept, stage, freed
+
+
+def compact_prepare(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor, seq_lens,
+                    kept: torch.Tensor, counts) -> CompactLaunch:
+    """Validate and move to the device what :func:`compact_launch` needs (host work: lists, checks,
+    small host-to-device copies, the staging buffer)."""
     g = cache_geometry(kv_cache, layout)
     dev = kv_cache.device
     lens = [int(x) for x in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
@@ -116,23 +124,38 @@ def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tens
     bt = block_tables.to(device=dev, dtype=torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     cnts_t = torch.tensor(cnts, dtype=torch.int32, device=dev)
+    width = max([c for c, n in zip(cnts, lens) if c < n], default=0)
+    stage = (torch.empty(len(lens), g.num_kv_heads, width, 2 * g.head_dim, dtype=kv_cache.dtype,
+                         device=dev) if width else None)
+    freed = [(length - cnt) // g.block_size if cnt < length else 0 for length, cnt in zip(lens, cnts)]
+    return CompactLaunch(kv_cache, g, bt, lens_t, cnts_t, kept_d, stage, freed)
+
+
+def compact_launch(p: CompactLaunch, chunk: int = 0, num_warps: int = 0) -> None:
+    """The two launches (stage, move) on the current stream; no host work besides the launches."""
+    if p.stage is None:   # nothing moves
+        return
+    g = p.g
     # GPU: CHUNK * head_dim = 2048 elements per tile (16 tokens at head_dim 128); programs are many
     # (chunks x heads x requests), so small tiles cost nothing and keep registers low
     chunk = chunk or (16 if INTERPRET else max(1, 2048 // g.head_dim))
-    width = max(cnts) if cnts else 0
-    if width == 0 or all(c >= n for c, n in zip(cnts, lens)):
-        return [0] * len(lens)
-    stage = torch.empty(len(lens), g.num_kv_heads, width, 2 * g.head_dim, dtype=kv_cache.dtype,
-                        device=dev)
-    off = kv_cache.storage_offset()
-    grid = (triton.cdiv(width, chunk), g.num_kv_heads, len(lens))
+    off = p.kv_cache.storage_offset()
+    grid = (triton.cdiv(p.stage.shape[2], chunk), g.num_kv_heads, p.lens_t.shape[0])
     for phase in (1, 0):   # stage, then move (stream order separates them)
         _compact_kernel[grid](
-            kv_cache, stage, bt, lens_t, cnts_t, kept_d,
+            p.kv_cache, p.stage, p.block_tables, p.lens_t, p.counts_t, p.kept,
             g.key.base - off, g.value.base - off, g.key.block, g.key.head, g.key.token, g.key.dim,
-            g.value.token, g.value.dim, bt.stride(0), kept_d.stride(0), kept_d.stride(1),
-            stage.stride(0), stage.stride(1),
+            g.value.token, g.value.dim, p.block_tables.stride(0), p.kept.stride(0), p.kept.stride(1),
+            p.stage.stride(0), p.stage.stride(1),
             PAGE=g.block_size, D=g.head_dim, CHUNK=chunk, STAGE=phase,
             num_warps=num_warps or (1 if INTERPRET else 4),
         )
-    return [(length - cnt) // g.block_size if cnt < length else 0 for length, cnt in zip(lens, cnts)]
+
+
+def compact_triton(kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor, seq_lens,
+                   kept: torch.Tensor, counts, chunk: int = 0, num_warps: int = 0) -> list:
+    """Tail-pack every request (two launches: stage, move): kept [B, H, >=max b'] (ascending per
+    head), counts [B] (b' per request). Returns the number of freed leading blocks per request."""
+    p = compact_prepare(kv_cache, layout, block_tables, seq_lens, kept, counts)
+    compact_launch(p, chunk, num_warps)
+    return p.freed

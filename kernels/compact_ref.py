@@ -6,8 +6,8 @@ the block-aligned tail ``[L - b', L)`` and the blocks ``[0, (L - b') / block_siz
 Every head moves its own tokens; the K and V of each token move together.
 
 Safety when sources and destinations overlap: the reference gathers every kept entry first (a copy)
-and writes afterwards, so overlap cannot corrupt anything. The kernel gets the same guarantee from
-the order it moves chunks in (see compact.py).
+and writes afterwards, so overlap cannot corrupt anything. The kernel gets the same guarantee by
+staging only the tokens whose source lies inside the destination tail, in a first launch (compact.py).
 """
 
 from __future__ import annotations
