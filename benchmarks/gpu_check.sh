@@ -76,8 +76,7 @@ stage_suite() {
   install_bundle || { rc=1; return; }
   log "tests/gpu"
   (cd "$WORK" && PYTHONPATH="$SITE" VLLM_USE_V2_MODEL_RUNNER=0 timeout "${SUITE_TIMEOUT:-420}" \
-      "$PY" -m pytest -q -rA -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pytest.ini" "$ROOT/tests/gpu" \
-      --junitxml "$OUT/gpu_suite.xml") > "$OUT/gpu_suite.log" 2>&1 || { rc=1; log "tests/gpu failed"; }
+      "$PY" -m pytest -q -rA -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pytest.ini" "$ROOT/tests/gpu") > "$OUT/gpu_suite.log" 2>&1 || { rc=1; log "tests/gpu failed"; }
   tail -n 40 "$OUT/gpu_suite.log"
 }
 
@@ -85,7 +84,8 @@ stage_serving() {
   install_bundle || { rc=1; return; }
   log "serving benchmark"
   (cd "$WORK" && PYTHONPATH="$SITE" timeout "${SERVING_TIMEOUT:-500}" "$PY" "$ROOT/benchmarks/serving.py" --gpu \
-      --out "$OUT" ${SERVING_ARGS:-}) > "$OUT/serving_gpu.log" 2>&1 || { rc=1; log "serving benchmark failed or was cut short"; }
+      --out "$OUT" ${SERVING_ARGS:-} ${SERVING_SERVER_ARGS:+--server-args "$SERVING_SERVER_ARGS"}) \
+      > "$OUT/serving_gpu.log" 2>&1 || { rc=1; log "serving benchmark failed or was cut short"; }
   tail -n 40 "$OUT/serving_gpu.log"
 }
 

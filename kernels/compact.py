@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .compact_ref import check_kept
-from .paged import cache_geometry
+from .paged import cache_geometry, int32_on
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -122,8 +122,8 @@ def compact_prepare(kv_cache: torch.Tensor, layout: str, block_tables: torch.Ten
     if kept_d.stride(2) != 1:
         kept_d = kept_d.contiguous()
     bt = block_tables.to(device=dev, dtype=torch.int32)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-    cnts_t = torch.tensor(cnts, dtype=torch.int32, device=dev)
+    lens_t = int32_on(lens, dev)
+    cnts_t = int32_on(cnts, dev)
     width = max([c for c, n in zip(cnts, lens) if c < n], default=0)
     stage = (torch.empty(len(lens), g.num_kv_heads, width, 2 * g.head_dim, dtype=kv_cache.dtype,
                          device=dev) if width else None)

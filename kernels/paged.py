@@ -185,3 +185,13 @@ def write_kv(kv_cache: torch.Tensor, layout: str, block_table_row: torch.Tensor,
     h, t, _ = keys.shape
     idx = torch.arange(t, device=kv_cache.device).expand(h, t)
     scatter_kv_tokens(kv_cache, layout, block_table_row, idx, keys, values)
+
+
+def int32_on(values, device) -> torch.Tensor:
+    """A host list of ints as an int32 tensor on `device` without waiting for the device: a plain
+    torch.tensor(list, device="cuda") copies from pageable memory and synchronises the stream; a
+    pinned buffer (from PyTorch's caching host allocator) with a non-blocking copy does not."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

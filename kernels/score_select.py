@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged import cache_geometry
+from .paged import cache_geometry, int32_on
 from .score_select_ref import PAD, PackedLayer, Selection, _as_list, _next_pow2, aligned_counts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -386,13 +386,13 @@ def score_select_triton(policy, layer: int, kv_cache: torch.Tensor, layout: str,
     counts = aligned_counts(lens, budgets, g.block_size, n_sink, n_recent)
     if packed is None:
         packed = pack_layer(policy, layer, torch.float32, dev)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-    counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
+    lens_t = int32_on(lens, dev)
+    counts_t = int32_on(counts, dev)
     bt = block_tables.to(device=dev, dtype=torch.int32)
     if positions is not None:
         positions = positions.to(device=dev, dtype=torch.int32).contiguous()
         plens = _as_list(position_lengths) if position_lengths is not None else lens
-        position_lengths = torch.tensor(plens, dtype=torch.int32, device=dev)
+        position_lengths = int32_on(plens, dev)
     max_len = max(lens)
     hist = torch.zeros(len(lens), g.num_kv_heads, 256, dtype=torch.int32, device=dev)
     scores = score_triton(packed, kv_cache, layout, bt, lens_t, max_len, positions,
