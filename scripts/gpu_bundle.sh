@@ -329,7 +329,9 @@ for i in json.load(sys.stdin)["install"]:
 smoke() {
   local target=$1
   say "smoke check: PYTHONPATH=$target $PYTHON -c 'import torch, vllm, vllm._C_stable_libtorch; ...'"
-  PYTHONPATH="$target" "$PYTHON" - "$target" <<'EOF'
+  # from / : the cwd comes first on sys.path, and a source checkout (with the egg-info pip's in-tree
+  # build leaves there) would shadow the installed kvp-vllm
+  (cd / && PYTHONPATH="$target" "$PYTHON" - "$target") <<'EOF'
 import os, sys
 target = os.path.realpath(sys.argv[1])
 import torch
@@ -351,6 +353,9 @@ if not eps or eps[0].value != "kvp_vllm.serving.plugin:register":
     problems.append("entry point vllm.general_plugins:kvp_vllm is missing")
 elif not inside(str(distribution("kvp-vllm").locate_file("kvp_vllm"))):
     problems.append("the kvp-vllm found first is not the one in the target")
+import kvp_vllm.kernels, kvp_vllm.serving.plugin  # the installed package is complete (kernels mapped)
+if not inside(kvp_vllm.kernels.__file__):
+    problems.append(f"kvp_vllm was imported from {kvp_vllm.kernels.__file__}, not from {target}")
 if not fa.FA3_AVAILABLE:
     problems.append(f"FlashAttention 3 did not load: {fa.FA3_UNAVAILABLE_REASON}")
 print(f"[gpu_bundle] smoke: vllm {vllm.__version__} from {os.path.dirname(vllm.__file__)}; "

@@ -42,8 +42,21 @@ def runner_settings(argv: List[str], environ=os.environ) -> List[str]:
     return argv
 
 
+def flashinfer_sampler_setting(environ=os.environ) -> None:
+    """vLLM 0.32 on CUDA samples with FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0, and imports it
+    unconditionally: on a host without the flashinfer package (e.g. the offline bundle,
+    scripts/gpu_bundle.sh) the engine dies at start-up. Pick vLLM's own sampler there, and say so."""
+    import importlib.util
+
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in environ and importlib.util.find_spec("flashinfer") is None:
+        environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        print("kvp-vllm: flashinfer is not installed: VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM's PyTorch "
+              "sampler)", file=sys.stderr)
+
+
 def _prepare_environment() -> None:
     """Settings that must be in place before vLLM or prometheus_client are imported."""
+    flashinfer_sampler_setting()
     try:
         import torch
 

@@ -18,6 +18,9 @@ def make_engine(model: str, rule: str, budget: int, interval: int, checkpoint=No
     """An in-process vllm.LLM with eviction configured as `kvp-vllm serve` would."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker readable from the test
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"        # what `kvp-vllm serve` sets
+    from kvp_vllm.serving.cli import flashinfer_sampler_setting
+
+    flashinfer_sampler_setting()                       # so does this (no flashinfer in the bundle)
     from kvp_vllm.serving import plugin
     from kvp_vllm.serving.config import ENV_VAR, EvictionConfig
 

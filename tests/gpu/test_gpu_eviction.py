@@ -6,7 +6,8 @@ Three engines, most valuable first:
           compaction (checked), query capture, concurrency without leaks, prefix-shared blocks,
           replays within bf16 tolerance
   exact   fp32, Triton attention, FULL_DECODE_ONLY graphs: K-Norm and KVP (with a decode-time
-          re-compaction) equal a Hugging Face reference that keeps the same tokens, token for token
+          re-compaction) are greedy under a Hugging Face reference that keeps the same tokens (up to
+          fp32 noise: vLLM's fused kernels sum in another order than transformers)
   eager   fp32, Triton attention, no graphs: plain-vLLM equivalence and the K-Norm replay again
 """
 
@@ -110,7 +111,9 @@ def test_the_gpu_engine_runs_the_v1_runner_with_a_verified_layout(graphs):
 
 def test_budget_at_least_prompt_is_plain_vllm_with_cuda_graphs(graphs):
     ids = prompt_ids(1, 300)
+    graphs.reset_prefix_cache()  # both from scratch: a prefix-cache hit computes in another order (bf16)
     plain, _ = generate(graphs, [ids], params(48, budget="none"))
+    graphs.reset_prefix_cache()
     big, _ = generate(graphs, [ids], params(48, budget=1000))
     assert plain == big
 
@@ -232,25 +235,39 @@ def exact(graphs, tiny_path, tiny_policy):
 
 
 def _exact_replays(llm, tiny_path):
-    from kvp_vllm.serving.replay import hf_replay, record_compactions
+    """fp32: K-Norm keeps what transformers' own keys say (up to fp32 near-ties at the cut: vLLM's
+    fused projections sum in another order), and vLLM's greedy tokens are the greedy tokens of a
+    transformers decode keeping the recorded tokens (teacher-forced: each one its argmax up to fp32
+    noise), after prefill and through decode-time re-compactions (KVP's own path)."""
+    from kvp_vllm.serving.replay import record_compactions
 
     model = hf_model(tiny_path, torch.float32)
     ids = prompt_ids(8)
     with record_compactions(llm) as history:
         (got,), _ = generate(llm, [ids], params(32))
     (record,) = history.values()
-    assert torch.equal(record[0][1], knorm_positions(model, ids, BUDGET)), "K-Norm kept other tokens"
-    want, _, _ = hf_replay(model, ids, 32, record)
-    assert got == want
-    full, _, _ = hf_replay(model, ids, 32)
-    assert got != full, "no teeth"
+    ours, theirs = record[0][1].long(), knorm_positions(model, ids, BUDGET)
+    for layer in range(ours.shape[0]):
+        for head in range(ours.shape[1]):
+            shared = len(set(ours[layer, head].tolist()) & set(theirs[layer, head].tolist()))
+            assert shared >= 0.98 * ours.shape[2], (layer, head, shared)
+    _assert_greedy_under(model, ids, got, record)
     ids = prompt_ids(9)
     with record_compactions(llm) as history:
         (got,), _ = generate(llm, [ids], params(96, rule="kvp"))
     (record,) = history.values()
     assert len(record) >= 2, "no decode-time re-compaction"
-    want, _, _ = hf_replay(model, ids, 96, record)
-    assert got == want
+    _assert_greedy_under(model, ids, got, record)
+
+
+def _assert_greedy_under(model, ids, got, record, tol=1e-2):
+    from kvp_vllm.serving.replay import hf_replay
+
+    _, lp, best = hf_replay(model, ids, len(got), record, forced=got)
+    gaps = [b - x for x, b in zip(lp, best)]
+    assert max(gaps) < tol, gaps
+    _, lp, best = hf_replay(model, ids, len(got), forced=got)
+    assert max(b - x for x, b in zip(lp, best)) > 10 * tol, "the uncompressed reference agrees: no teeth"
 
 
 def test_fp32_triton_graphs_equal_a_reference_keeping_the_same_tokens(exact, tiny_path):
