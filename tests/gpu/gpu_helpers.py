@@ -43,10 +43,14 @@ def make_engine(model: str, rule: str, budget: int, interval: int, checkpoint=No
 
 
 def close_engine(llm) -> None:
+    """Shut an engine down and free its GPU memory; a second call does nothing (the module's later
+    engines close the earlier ones first: one engine at a time)."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    if getattr(llm, "_kvp_closed", False):
+        return
+    llm._kvp_closed = True
     llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     cleanup_dist_env_and_memory()
     if torch.cuda.is_available():
