@@ -133,6 +133,24 @@ def test_freed_blocks_rise_by_exactly_the_evicted_blocks_and_come_back(graphs):
     assert blocks.get_num_free_blocks() == start, "blocks leaked"
 
 
+def test_aborting_a_compacted_request_returns_every_block(graphs):
+    engine = graphs.llm_engine
+    blocks = pool(graphs)
+    start = blocks.get_num_free_blocks()
+    engine.add_request("aborted", {"prompt_token_ids": prompt_ids(11)}, params(200))
+    engine.add_request("kept", {"prompt_token_ids": prompt_ids(12)}, params(40))
+    for _ in range(6):  # prefill, the compaction step, a few decode steps
+        engine.step()
+    evicting = core(graphs).scheduler._kvp.reqs  # keyed by vLLM's internal request ids
+    aborted = [rid for rid in evicting if rid.startswith("aborted")]
+    assert aborted and evicting[aborted[0]].k_blocks > 0, "not compacted before the abort"
+    engine.abort_request(["aborted"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert blocks.get_num_free_blocks() == start, "blocks leaked"
+    assert not core(graphs).scheduler._kvp.reqs
+
+
 @graphs_only
 def test_decode_after_a_compaction_runs_the_full_cuda_graph(graphs):
     from kvp_vllm.serving.replay import worker_eviction
