@@ -4,14 +4,42 @@ rectangular), indices returned in ascending position order.
 
 Tie-breaking is deterministic and shared with the Triton kernel: among equal scores the token with
 the lower index ranks first.
+
+Which tokens are protected is the `--protect` mode (`PROTECT_MODES`, the one table the evaluation
+harness, the server and their CLIs read): `paper` keeps the first 4 (sinks) and last 16 tokens whatever
+the rule says (the KVP paper's protocol), `none` protects nothing (the rule's own choice, as kvpress
+runs the baselines). The minimum budget (`min_budget`) and the budget validator (`check_budget`) live
+here too, for every consumer.
 """
 
 from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
 
 import torch
 
 DEFAULT_SINKS = 4
 DEFAULT_RECENT = 16
+
+#: --protect modes -> (n_sink, n_recent): the tokens kept whatever the rule's scores.
+PROTECT_MODES: Dict[str, Tuple[int, int]] = {"paper": (DEFAULT_SINKS, DEFAULT_RECENT), "none": (0, 0)}
+DEFAULT_PROTECT = "paper"
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be used (the server's API answers HTTP 400 with the message)."""
+
+
+def protected_counts(mode: str = DEFAULT_PROTECT) -> Tuple[int, int]:
+    """(n_sink, n_recent) of a --protect mode."""
+    if mode not in PROTECT_MODES:
+        raise ValueError(f"unknown protect mode {mode!r}; choose one of {', '.join(PROTECT_MODES)}")
+    return PROTECT_MODES[mode]
+
+
+def protect_mode(n_sink: int, n_recent: int) -> Optional[str]:
+    """The --protect mode of these counts (None when they are no named mode)."""
+    return next((m for m, c in PROTECT_MODES.items() if c == (n_sink, n_recent)), None)
 
 
 def protected_count(length: int, n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT) -> int:
@@ -19,15 +47,27 @@ def protected_count(length: int, n_sink: int = DEFAULT_SINKS, n_recent: int = DE
     return min(length, n_sink + n_recent)
 
 
-def check_budget(budget: int, n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT) -> int:
-    """Validate a budget (tokens kept per KV head) and return it as an int."""
+def min_budget(n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT) -> int:
+    """The smallest budget: every protected token, and at least one token."""
+    return max(1, n_sink + n_recent)
+
+
+def check_budget(budget: int, n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT, *,
+                 maximum: Optional[int] = None, what: str = "the budget", allow_off: bool = False) -> int:
+    """Validate a budget (tokens kept per KV head) and return it: an int (bools, floats and strings
+    are refused) in [min_budget(n_sink, n_recent), maximum]. The one validator of the harness, the
+    server (`what` names the flag or field; `allow_off` mentions its 0/"none" = no eviction) and the
+    kernels. Raises BudgetError."""
+    off = " 0/\"none\" (no eviction) or" if allow_off else ""
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise TypeError(f"the budget must be an integer number of tokens; got {budget!r}")
-    if budget < n_sink + n_recent:
-        raise ValueError(
-            f"the budget must be at least {n_sink + n_recent} tokens (the {n_sink} sink and "
-            f"{n_recent} recent tokens are always kept); got {budget}"
-        )
+        raise BudgetError(f"{what} must be{off} an integer number of tokens; got {budget!r}")
+    low = min_budget(n_sink, n_recent)
+    if budget < low:
+        why = (f" (the {n_sink} sink and {n_recent} recent tokens are always kept)"
+               if n_sink + n_recent else "")
+        raise BudgetError(f"{what} must be{off} at least {low} tokens{why}; got {budget}")
+    if maximum is not None and budget > maximum:
+        raise BudgetError(f"{what} {budget} exceeds the model's maximum length {maximum}")
     return budget
 
 

@@ -50,6 +50,11 @@ def test_rule_matrix(name, kv_heads, group, t, d, dtype):
         for h in range(kv_heads):
             s = set(kept[h].tolist())
             assert set(range(min(4, t))) <= s and set(range(max(t - 16, 0), t)) <= s
+    for budget in (1, 7, t - 1):  # --protect none: the rule's own top-b
+        kept = select_topb(scores, budget, n_sink=0, n_recent=0)
+        assert kept.shape == (kv_heads, min(budget, t)) and (kept[:, 1:] > kept[:, :-1]).all()
+        top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :budget]
+        assert torch.equal(kept, top.sort(dim=1).values)
 
 
 def hand_kv(keys, values=None, queries=None, importance=None):
@@ -80,24 +85,140 @@ def test_keydiff_is_negative_cosine_to_mean_direction():
     assert got[2] > got[0], "the key unlike the others scores higher"
 
 
-def test_tova_uses_last_query_averaged_over_group():
+# --- kvpress 0.5 (NVIDIA/kvpress v0.5.4, kvpress/presses/*_press.py), transcribed line by line on
+# [batch, heads, tokens, dim] tensors: the expected results of the faithful baselines.
+
+
+def _kvpress_repeat_kv(x, n_rep):  # transformers' repeat_kv
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+def _kvpress_window_attention(query_states, keys, window_size):  # SnapKVPress.compute_window_attention
+    k_len, head_dim = keys.shape[2], query_states.shape[-1]
+    key_states = _kvpress_repeat_kv(keys, query_states.shape[1] // keys.shape[1])
+    attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(head_dim)
+    attention_mask = torch.ones_like(attn_weights) * float("-inf")
+    attention_mask = torch.triu(attention_mask, diagonal=k_len - window_size + 1)
+    attn_weights += attention_mask
+    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32)
+    return attn_weights[..., :-window_size]
+
+
+def kvpress_tova(keys, queries):  # TOVAPress.score
+    attn_weights = _kvpress_window_attention(queries[:, :, -1:], keys, 1)
+    scores = attn_weights.mean(1)
+    scores = scores.repeat(1, keys.shape[1], 1)
+    return F.pad(scores, (0, 1), value=scores.max().item() + 1)
+
+
+def kvpress_snapkv(keys, queries, window_size=64, kernel_size=5):  # SnapKVPress.score
+    bsz, num_key_value_heads, k_len, _ = keys.shape
+    groups = queries.shape[1] // num_key_value_heads
+    attn_weights = _kvpress_window_attention(queries[:, :, -window_size:], keys, window_size)
+    scores = attn_weights.mean(dim=-2)
+    scores = F.avg_pool1d(scores, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
+    scores = scores.view(bsz, num_key_value_heads, groups, k_len - window_size).mean(2)
+    return F.pad(scores, (0, window_size), value=scores.max().item() + 1)
+
+
+def kvpress_lagkv(keys, values, n_sink=4, lag_size=128, cross_scoring=False):  # LagKVPress.score
+    bsz, num_key_value_heads, q_len, d = keys.shape
+    if q_len < n_sink + 2 * lag_size:
+        score = torch.ones((bsz, num_key_value_heads, q_len), dtype=keys.dtype)
+        if q_len > n_sink:
+            score[:, :, n_sink:] = (torch.arange(q_len - n_sink) / (q_len - n_sink)).to(keys.dtype)
+        return score
+    end_idx = n_sink + ((q_len - n_sink) // lag_size) * lag_size
+    tail_len = lag_size + q_len - end_idx
+
+    def states_score(target_v):  # LagKVPress._get_states_score
+        ref, v = target_v[:, :, 1:, :, :], target_v[:, :, :-1, :, :]
+        min_r = ref.min(dim=-2).values.unsqueeze(-2).expand(-1, -1, -1, lag_size, -1)
+        max_r = ref.max(dim=-2).values.unsqueeze(-2).expand(-1, -1, -1, lag_size, -1)
+        return ((v - min_r) / (max_r - min_r)).std(dim=-1).softmax(dim=-1)
+
+    key_score = states_score(keys[:, :, n_sink:end_idx].view(bsz, num_key_value_heads, -1, lag_size, d))
+    value_score = states_score(values[:, :, n_sink:end_idx].view(bsz, num_key_value_heads, -1, lag_size, d))
+    score = (key_score + value_score) / 2
+    if not cross_scoring:
+        score = score.argsort(dim=-1).argsort(dim=-1) / lag_size
+    sink_score = torch.ones((bsz, num_key_value_heads, n_sink), dtype=score.dtype)
+    tail_score = torch.ones((bsz, num_key_value_heads, tail_len), dtype=score.dtype)
+    return torch.cat((sink_score, score.reshape(bsz, num_key_value_heads, -1), tail_score), dim=-1)
+
+
+def kvpress_kept(scores, n_kept):  # ScorerPress.compress: scores.topk(n_kept); as sorted indices
+    return scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+
+
+def _keep(scores, budget):  # --protect none: the rule's own choice
+    return select_topb(scores, budget, n_sink=0, n_recent=0)
+
+
+def test_tova_averages_all_query_heads_like_kvpress():
+    """Two KV heads, one query head each. Head 0's last query looks hard at token 1, head 1's mildly at
+    token 2. kvpress averages all query heads: both KV heads keep token 1 (and the query's own token
+    4); the v1 option (per KV group) lets head 1 keep token 2."""
+    keys = [[[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]] * 2
+    queries = [[[9.0, 9.0], [6.0, 0.0]], [[9.0, 9.0], [0.0, 1.0]]]  # only the last row counts
+    kv = hand_kv(keys, queries=queries)
+    ref = kvpress_tova(kv.keys[None], kv.queries[None])[0]
+    got = make_scorer("tova").score(kv)
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.equal(got[0], got[1]), "one set for every KV head"
+    assert _keep(got, 2).tolist() == kvpress_kept(ref, 2).tolist() == [[1, 4], [1, 4]]
+    assert _keep(make_scorer("tova", per_kv_group=True).score(kv), 2).tolist() == [[1, 4], [2, 4]]
+
+
+def test_tova_per_kv_group_option_is_v1():
+    """per_kv_group=True: each KV head averages its own GQA group (the definition before v2)."""
     keys = [[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]]
-    # two query heads in the group; the first query row is ignored (only the last one counts)
     queries = [[[9.0, 9.0], [2.0, 0.0]], [[9.0, 9.0], [0.0, 2.0]]]
-    got = make_scorer("tova").score(hand_kv(keys, queries=queries))[0]
+    got = make_scorer("tova", per_kv_group=True).score(hand_kv(keys, queries=queries))[0]
     s = 2 / math.sqrt(2)
     head0 = torch.softmax(torch.tensor([s, 0.0, 0.0]), 0)
     head1 = torch.softmax(torch.tensor([0.0, s, 0.0]), 0)
-    assert torch.allclose(got, (head0 + head1) / 2, atol=1e-6)
+    expected = (head0 + head1) / 2
+    assert torch.allclose(got[:2], expected[:2], atol=1e-6)
+    assert got[2] == expected[:2].max() + 1, "the query's own token is lifted (kvpress)"
 
 
-def test_snapkv_pools_window_votes_and_keeps_window():
+# the window (3 tokens) attends strongly to itself; a needle at token 4 with a few distinct neighbours
+SNAP_BOUNDARY = [[[x, 0.0] for x in (0.3, 0.1, 0.2, 0.4, 2.0, 1.0, 0.5, 0.05, 0.15)] + [[3.0, 0.0]] * 3]
+# token 0 draws the window's attention (a sink); no window self-attention
+SNAP_EDGE = [[[x, 0.0] for x in (3.0, 0.1, 0.2, 0.4, 0.3, 0.5, 0.25, 0.05, 0.15)] + [[0.0, 0.0]] * 3]
+
+
+@pytest.mark.parametrize("keys, kvpress_choice, option, option_choice", [
+    # pooling across the boundary pulls the window's votes into token 8, next to it
+    (SNAP_BOUNDARY, 4, {"pool_across_window": True}, 8),
+    # leaving the zero padding out of the average lifts the first tokens (token 0: 3 terms / 3, not / 5)
+    (SNAP_EDGE, 2, {"count_include_pad": False}, 0),
+])
+def test_snapkv_pools_the_prefix_only_padding_counted_like_kvpress(keys, kvpress_choice, option, option_choice):
+    w = 3
+    kv = hand_kv(keys, queries=[[[3.0, 0.0]] * w])
+    ref = kvpress_snapkv(kv.keys[None], kv.queries[None], window_size=w)[0]
+    got = make_scorer("snapkv", window=w).score(kv)
+    assert torch.allclose(got, ref, atol=1e-6)
+    kept = kvpress_kept(ref, w + 1)
+    assert _keep(got, w + 1).tolist() == kept.tolist() == [[kvpress_choice, 9, 10, 11]]
+    assert _keep(make_scorer("snapkv", window=w, **option).score(kv), w + 1).tolist() == \
+        [[option_choice, 9, 10, 11]]
+    v1 = make_scorer("snapkv", window=w, pool_across_window=True, count_include_pad=False)
+    assert _keep(v1.score(kv), w + 1).tolist() == [[option_choice, 9, 10, 11]]
+
+
+def test_snapkv_v1_options_pool_every_token_without_padding():
+    """pool_across_window=True, count_include_pad=False: the definition before v2, by hand."""
     t, w = 12, 3
     torch.manual_seed(0)
     keys = torch.randn(1, t, 4)
     queries = torch.randn(2, w, 4)
     kv = LayerKV(keys=keys, values=keys, positions=torch.arange(t), queries=queries)
-    got = make_scorer("snapkv", window=w, kernel_size=3).score(kv)[0]
+    got = make_scorer("snapkv", window=w, kernel_size=3, pool_across_window=True,
+                      count_include_pad=False).score(kv)[0]
     # by hand: causal softmax of each window query over the keys, mean over the window, pool, mean over group
     votes = []
     for head in range(2):
@@ -112,16 +233,52 @@ def test_snapkv_pools_window_votes_and_keeps_window():
         votes.append(pooled)
     expected = torch.stack(votes).mean(0)
     assert torch.allclose(got[: t - w], expected[: t - w], atol=1e-6)
-    assert (got[t - w:] > got[: t - w].max()).all(), "the observation window is always kept"
+    assert torch.allclose(got[t - w:], 2.0 + expected[t - w:], atol=1e-6), "window ranked by its votes"
 
 
-def test_lagkv_normalises_each_chunk_by_the_next():
+@pytest.mark.parametrize("t, window", [(40, 5), (40, 1), (9, 64)])
+def test_snapkv_matches_kvpress_on_random_gqa_inputs(t, window):
+    g = torch.Generator().manual_seed(t + window)
+    keys, queries = torch.randn(2, t, 8, generator=g), torch.randn(6, min(window, t), 8, generator=g)
+    kv = LayerKV(keys=keys, values=keys, positions=torch.arange(t), queries=queries)
+    got = make_scorer("snapkv", window=window).score(kv)
+    if t <= window:  # kvpress refuses (its assert); the whole cache is the window: everything ties
+        assert torch.equal(got, torch.ones(2, t))
+        return
+    assert torch.allclose(got, kvpress_snapkv(keys[None], queries[None], window)[0], atol=1e-6)
+    assert torch.allclose(make_scorer("tova").score(kv), kvpress_tova(keys[None], queries[None])[0], atol=1e-6)
+
+
+# lag 4, 1 sink; partition 0 (tokens 1-4) mildly spread; partition 1 (5-8) two widely spread tokens;
+# partition 2 (9-12, the reference of partition 1) spans [0, 1] per channel
+LAG_KEYS = [[[0.0, 0.0, 0.0, 0.0],
+             [0.4, 0.5, 0.6, 0.5], [0.5, 0.6, 0.5, 0.4], [0.6, 0.5, 0.4, 0.5], [0.5, 0.4, 0.5, 0.6],
+             [1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.9], [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.6],
+             [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.2, 0.8, 0.3, 0.7], [0.9, 0.1, 0.6, 0.4]]]
+
+
+def test_lagkv_ranks_within_each_partition_like_kvpress():
+    """kvpress's default keeps the best token of each partition; cross_scoring=True (v1) keeps the two
+    spread tokens of partition 1."""
+    kv = hand_kv(LAG_KEYS)
+    ref = kvpress_lagkv(kv.keys[None], kv.values[None], n_sink=1, lag_size=4)[0]
+    got = make_scorer("lagkv", lag=4, sinks=1).score(kv)
+    assert torch.allclose(got, ref, atol=1e-6)
+    sinks_and_tail = [0, 9, 10, 11, 12]
+    assert _keep(got, 7).tolist() == kvpress_kept(ref, 7).tolist() == [sorted(sinks_and_tail + [4, 5])]
+    cross = make_scorer("lagkv", lag=4, sinks=1, cross_scoring=True).score(kv)
+    ref_cross = kvpress_lagkv(kv.keys[None], kv.values[None], n_sink=1, lag_size=4, cross_scoring=True)[0]
+    assert torch.allclose(cross, ref_cross, atol=1e-6)
+    assert _keep(cross, 7).tolist() == [sorted(sinks_and_tail + [5, 6])]
+
+
+def test_lagkv_cross_scoring_normalises_each_chunk_by_the_next():
     lag, sinks, d = 4, 2, 3
     torch.manual_seed(0)
     t = sinks + 3 * lag + 1  # two scored chunks, a reference-only chunk, one tail token
     keys, values = torch.randn(1, t, d), torch.randn(1, t, d)
     kv = LayerKV(keys=keys, values=values, positions=torch.arange(t))
-    got = make_scorer("lagkv", lag=lag, sinks=sinks).score(kv)[0]
+    got = make_scorer("lagkv", lag=lag, sinks=sinks, cross_scoring=True).score(kv)[0]
 
     def part(x, c):
         cur = x[0, sinks + c * lag: sinks + (c + 1) * lag]
@@ -130,10 +287,43 @@ def test_lagkv_normalises_each_chunk_by_the_next():
         return torch.softmax(((cur - lo) / (hi - lo)).std(-1), 0)
 
     for c in range(2):
-        expected = part(keys, c) + part(values, c)
+        expected = (part(keys, c) + part(values, c)) / 2
         assert torch.allclose(got[sinks + c * lag: sinks + (c + 1) * lag], expected, atol=1e-5)
     kept_always = torch.cat([got[:sinks], got[sinks + 2 * lag:]])
-    assert (kept_always > 2.0).all(), "sinks, the reference-only chunk and the tail are always kept"
+    assert (kept_always == 1.0).all(), "sinks, the reference-only chunk and the tail are always kept"
+    assert (got[sinks:sinks + 2 * lag] < 1.0).all()
+
+
+@pytest.mark.parametrize("t", [3, 10, 40, 41, 47, 300])
+def test_lagkv_matches_kvpress_on_random_inputs(t):
+    g = torch.Generator().manual_seed(t)
+    keys, values = torch.randn(2, t, 8, generator=g), torch.randn(2, t, 8, generator=g)
+    kv = LayerKV(keys=keys, values=values, positions=torch.arange(t))
+    for cross in (False, True):
+        ref = kvpress_lagkv(keys[None], values[None], n_sink=4, lag_size=8, cross_scoring=cross)[0]
+        got = make_scorer("lagkv", lag=8, sinks=4, cross_scoring=cross).score(kv)
+        assert torch.allclose(got, ref, atol=1e-6), (t, cross)
+
+
+def test_lagkv_short_cache_keeps_sinks_then_recent():
+    """Shorter than sinks + 2 lags: no partition has a reference; kvpress keeps sinks, then recency."""
+    kv = hand_kv([[[float(i % 3), 1.0] for i in range(19)]])  # 19 < 4 + 2 * 8
+    got = make_scorer("lagkv", lag=8, sinks=4).score(kv)
+    assert _keep(got, 10).tolist() == [[0, 1, 2, 3, 13, 14, 15, 16, 17, 18]]
+
+
+def test_definitions_are_versioned():
+    """Rows record `definition`: bumped for the rules made faithful to kvpress, with options named."""
+    v2 = {"tova", "snapkv", "lagkv"}
+    for name, cls in SCORERS.items():
+        assert cls.default_definition() == ("v2" if name in v2 else "v1"), name
+    assert make_scorer("tova").definition == "v2"
+    assert make_scorer("tova", per_kv_group=True).definition == "v2,per_kv_group=True"
+    assert make_scorer("snapkv", pool_across_window=True, count_include_pad=False).definition == \
+        "v2,pool_across_window=True,count_include_pad=False"
+    assert make_scorer("lagkv", cross_scoring=True).definition == "v2,cross_scoring=True"
+    assert make_scorer("random", seed=7).definition == "v1", "the per-sample seed is not an option"
+    assert build("kvp", 2, 8).definition == "v1", "the weights are identified by their sha256"
 
 
 def test_random_is_seeded():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvp_vllm.selection import block_aligned_budget, check_budget, gather_kept, rank_tokens, select_topb
+from kvp_vllm.selection import (PROTECT_MODES, BudgetError, block_aligned_budget, check_budget, gather_kept,
+                                min_budget, protect_mode, protected_counts, rank_tokens, select_topb)
 
 
 def test_topb_per_head_sorted_and_protected():
@@ -33,8 +34,38 @@ def test_short_sequences_are_all_protected():
 
 @pytest.mark.parametrize("bad", [-1, 0, 19, 1.5, "64", True, None])
 def test_bad_budgets_are_refused(bad):
-    with pytest.raises((ValueError, TypeError), match="budget"):
+    with pytest.raises(BudgetError, match="budget"):
         check_budget(bad)
+
+
+def test_protect_modes():
+    """--protect paper = 4 sinks + 16 recent (the KVP paper's protocol), none = nothing protected."""
+    assert PROTECT_MODES == {"paper": (4, 16), "none": (0, 0)}
+    assert protected_counts() == protected_counts("paper") == (4, 16)
+    assert protected_counts("none") == (0, 0)
+    assert protect_mode(4, 16) == "paper" and protect_mode(0, 0) == "none" and protect_mode(2, 2) is None
+    with pytest.raises(ValueError, match="unknown protect mode 'all'"):
+        protected_counts("all")
+    assert min_budget(*protected_counts("paper")) == 20 and min_budget(*protected_counts("none")) == 1
+
+
+def test_budget_validator_follows_the_protect_mode():
+    assert check_budget(1, 0, 0) == 1
+    with pytest.raises(BudgetError, match="at least 1 tokens; got 0"):
+        check_budget(0, 0, 0)
+    with pytest.raises(BudgetError, match="at least 20 tokens \\(the 4 sink and 16 recent"):
+        check_budget(19)
+    with pytest.raises(BudgetError, match="kv_budget must be 0/\"none\" \\(no eviction\\) or at least 20"):
+        check_budget(5, what="kv_budget", allow_off=True)
+    with pytest.raises(BudgetError, match="exceeds the model's maximum length 100"):
+        check_budget(101, maximum=100)
+
+
+def test_protect_none_is_the_rules_own_choice():
+    scores = torch.tensor([[9.0, 0.0, 5.0, 1.0, 7.0, 0.5]])
+    assert select_topb(scores, 2, n_sink=0, n_recent=0).tolist() == [[0, 4]]
+    assert select_topb(scores, 1, n_sink=0, n_recent=0).tolist() == [[0]]
+    assert select_topb(scores, 3, n_sink=1, n_recent=1).tolist() == [[0, 4, 5]]
 
 
 def test_non_finite_scores_fail_loudly():

@@ -7,6 +7,10 @@ once its checkpoint exists):
 
 The folder's raw files are gzip-compressed (rows.jsonl.gz, per_sample.csv.gz, progress.log.gz; read
 them with zcat); a folder from before that keeps its plain rows.jsonl until --compress-store.
+
+--protect paper (the default for a new folder) always keeps 4 sink + 16 recent tokens, the KVP paper's
+protocol; --protect none keeps only what each rule chooses (kvpress's behaviour for the baselines). A
+folder holds one mode (run.json); without --protect an existing folder continues with its own.
 """
 
 from __future__ import annotations
@@ -17,11 +21,10 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..scorers import SCORERS, SERVABLE_RULES
+from ..scorers import SCORERS
+from ..selection import DEFAULT_PROTECT, PROTECT_MODES, check_budget, protected_counts
 from .protocol import PROTOCOLS
 from .tasks import DEFAULT_TASKS, EVAL_SEED_LIMIT, TASKS, TaskError, parse_length
-
-MIN_BUDGET = 20  # the 4 sink + 16 recent tokens every rule keeps
 
 
 def default_checkpoint(model_name: str) -> Optional[Path]:
@@ -36,7 +39,8 @@ def _csv(text: str) -> List[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def parse_budgets(text: str) -> list:
+def parse_budgets(text: str, protect: str = DEFAULT_PROTECT) -> list:
+    """Token counts (at least the protect mode's minimum budget) and fractions of the context."""
     out = []
     for t in _csv(text):
         try:
@@ -50,10 +54,7 @@ def parse_budgets(text: str) -> list:
         else:
             if v != int(v):
                 raise ValueError(f"an absolute budget must be a whole number of tokens; got {t}")
-            if v < MIN_BUDGET:
-                raise ValueError(f"an absolute budget must be at least {MIN_BUDGET} tokens (4 sinks + "
-                                 f"16 recent tokens are always kept); got {t}")
-            out.append(int(v))
+            out.append(check_budget(int(v), *protected_counts(protect), what="an absolute budget"))
     if not out:
         raise ValueError("no budgets given")
     return out
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list or 'all' (every rule; kvp only with a checkpoint): {', '.join(sorted(SCORERS))}")
     p.add_argument("--protocols", default=",".join(PROTOCOLS), help="query_aware,query_agnostic")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--protect", choices=list(PROTECT_MODES), default=None,
+                   help="paper: always keep 4 sink + 16 recent tokens (the KVP paper's protocol); none: "
+                        "nothing protected, each rule's own choice (kvpress's baselines). Default: the "
+                        f"--out folder's mode, {DEFAULT_PROTECT} for a new folder")
     p.add_argument("--checkpoint", default="auto",
                    help="KVP checkpoint folder; 'auto' = the packaged one for the model if it exists")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results/eval_<model>)")
@@ -111,13 +116,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not done:
             print(f"{args.out}: no plain raw file to compress", file=sys.stderr)
         return 0
+    out = Path(args.out or f"benchmarks/results/eval_{Path(args.model).name}")
+    from .runner import stored_identity
+
+    try:
+        stored = stored_identity(out)
+    except ValueError as e:  # unreadable run.json
+        fail(f"{out}/run.json: {e}")
+    protect = args.protect or ((stored or {}).get("protect") or DEFAULT_PROTECT)
     try:
         tasks = list(DEFAULT_TASKS) if args.tasks == "all" else _csv(args.tasks)
         for t in tasks:
             if t not in TASKS:
                 fail(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
         lengths = [parse_length(x) for x in _csv(args.lengths)]
-        budgets = parse_budgets(args.budgets)
+        budgets = parse_budgets(args.budgets, protect)
     except (TaskError, ValueError) as e:
         fail(str(e))
     if not 0 <= args.seed < EVAL_SEED_LIMIT:
@@ -164,18 +177,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     for length in lengths:
         if max_ctx and length > max_ctx:
             fail(f"length {length} is above the model's context of {max_ctx} tokens")
-    out = Path(args.out or f"benchmarks/results/eval_{Path(args.model).name}")
 
     from .runner import EvalConfig, checkpoint_sha256, current_rows, read_rows, run, write_outputs
 
     cfg = EvalConfig(tasks=tasks, lengths=lengths, samples=args.samples, budgets=budgets, rules=rules,
-                     protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint)
+                     protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint,
+                     protect=protect)
     if args.report_only:
         from .plots import plot_all
         from .store import MixedStore
 
         try:
-            rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint))  # or .gz
+            rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint),  # or .gz
+                                protect)
         except MixedStore as e:
             fail(str(e))
         if not rows:
@@ -205,8 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     print(f"kvp-eval: {model_path} | tasks {','.join(tasks)} | lengths {lengths} | {args.samples} samples"
-          f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)} | out {out}",
-          file=sys.stderr)
+          f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)} | protect {protect}"
+          f" | out {out}", file=sys.stderr)
     t0 = time.time()
     res = run(cfg, model, tokenizer, out, progress=not args.no_progress, max_minutes=args.max_minutes)
     print(f"kvp-eval: done in {time.time() - t0:.0f}s; samples with every rule: "

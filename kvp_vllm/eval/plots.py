@@ -20,6 +20,11 @@ RULE_STYLE = {"kvp": ("C3", "o"), "oracle": ("k", "*"), "snapkv": ("C0", "s"), "
 OTHER_STYLE = ("C9", "d")  # e.g. a second KVP policy merged in by benchmarks/compare_policies.py
 
 
+def _style(rule: str):
+    """A rule's colour and marker; a stale variant ("tova@v1", runner.variant_label) keeps its rule's."""
+    return RULE_STYLE.get(rule.split("@")[0].split("[")[0], OTHER_STYLE)
+
+
 def _series(agg: List[Dict], task: str, protocol: str, metric: str):
     lines = defaultdict(list)
     full = None
@@ -46,7 +51,7 @@ def _style_axis(ax, title: str, ylabel: str) -> None:
 def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
     lines, full = _series(agg, task, protocol, metric)
     for rule in sorted(lines, key=_rule_order):
-        color, marker = RULE_STYLE.get(rule, OTHER_STYLE)
+        color, marker = _style(rule)
         xs, ys, ns = zip(*lines[rule])
         ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
     title = task
@@ -57,7 +62,8 @@ def _panel(ax, agg, task, protocol, metric, full_metric, ylabel):
 
 
 def _rule_order(rule: str) -> int:
-    return list(RULE_STYLE).index(rule) if rule in RULE_STYLE else 99
+    base = rule.split("@")[0].split("[")[0]
+    return list(RULE_STYLE).index(base) if base in RULE_STYLE else 99
 
 
 def plot_task_average(avg: List[Dict], out_dir: Path) -> List[Path]:
@@ -76,7 +82,7 @@ def plot_task_average(avg: List[Dict], out_dir: Path) -> List[Path]:
                 if a["budget"] != "full" and "." not in a["budget"]:
                     lines[a["rule"]].append((int(a["budget"]), a["accuracy"]))
             for rule in sorted(lines, key=_rule_order):
-                color, marker = RULE_STYLE.get(rule, OTHER_STYLE)
+                color, marker = _style(rule)
                 xs, ys = zip(*sorted(lines[rule]))
                 ax.plot(xs, ys, marker=marker, color=color, label=rule, lw=1.2, ms=4)
                 drawn = True

@@ -27,7 +27,7 @@ import torch
 from ..capture import forward_capture
 from ..importance import future_importance
 from ..scorers import LayerKV, Scorer
-from ..selection import DEFAULT_RECENT, DEFAULT_SINKS, gather_kept, select_topb
+from ..selection import DEFAULT_PROTECT, gather_kept, min_budget, protected_counts, select_topb
 
 PROTOCOLS = ("query_aware", "query_agnostic")
 Budget = Union[int, float]
@@ -106,8 +106,10 @@ def _preallocated_layer(keys: torch.Tensor, values: torch.Tensor, spare: int):
 _PREALLOCATED = None
 
 
-def resolve_budget(budget: Budget, cache_len: int, minimum: int = DEFAULT_SINKS + DEFAULT_RECENT) -> int:
-    """Absolute budget (int tokens) or fraction of the compressed cache (0 < f <= 1) -> tokens."""
+def resolve_budget(budget: Budget, cache_len: int, protect: str = DEFAULT_PROTECT) -> int:
+    """Absolute budget (int tokens) or fraction of the compressed cache (0 < f <= 1) -> tokens, at
+    least the --protect mode's minimum budget."""
+    minimum = min_budget(*protected_counts(protect))
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional budget must be in (0, 1]; got {budget}")
@@ -242,8 +244,12 @@ def rule_scores(scorer: Scorer, pre: Prefill, protocol: str,
             for l in range(len(pre.keys))]
 
 
-def kept_indices(scores: List[torch.Tensor], budget: int) -> List[torch.Tensor]:
-    return [select_topb(s, budget) for s in scores]
+def kept_indices(scores: List[torch.Tensor], budget: int,
+                 protect: str = DEFAULT_PROTECT) -> List[torch.Tensor]:
+    """Per layer, the kept indices [H, b]: the rule's top-b, plus the --protect mode's protected tokens
+    (`paper`: 4 sinks + 16 recent, the KVP paper's protocol; `none`: the rule's own choice)."""
+    n_sink, n_recent = protected_counts(protect)
+    return [select_topb(s, budget, n_sink, n_recent) for s in scores]
 
 
 def compacted_layers(pre: Prefill, protocol: str, kept: List[torch.Tensor]):

@@ -16,6 +16,17 @@ only some rules are missing (e.g. KVP added later with --checkpoint) only those 
 prefill is redone, the stored full-cache answer is reused). KVP rows record the sha256 of the policy
 weights that made them; after the checkpoint changes they count as missing and are recomputed (the
 newest row of a key wins), so one folder never mixes two policies.
+
+Definitions and protection. Every rule row also records `rule_def`, the definition of the rule that
+made it (`Scorer.definition`: "v1", "v2", ...; see kvp_vllm/scorers/base.py), and `protect`, the
+--protect mode (`paper`: 4 sinks + 16 recent tokens always kept, `none`: the rule's own choice). Rows
+written before these fields existed are `rule_def` "v1" and `protect` "paper" (LEGACY_PROTECT). A row
+whose definition is not the rule's current one, or whose protect mode is not the folder's, is stale:
+a resumed run recomputes it, and it is never averaged with current rows. A folder has one protect mode
+(run.json's identity; a folder from before the field is `paper`). Reports (`current_rows`) show a
+rule's current rows when it has any; a rule with only stale rows (a folder made before the rule's
+definition changed) is reported under a label naming its variant, e.g. `tova@v1`, so old tables stay
+readable and say what they measured.
 """
 
 from __future__ import annotations
@@ -33,13 +44,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..scorers import make_scorer
+from ..scorers import LEGACY_DEFINITION, SCORERS, make_scorer, rule_definition
+from ..selection import DEFAULT_PROTECT, protected_counts
 from . import protocol as P
 from .store import (MixedStore, append_rows, append_text, compact, read_rows,  # noqa: F401 (re-exported)
                     store_path, write_csv)
 from .tasks import TASKS, Renderer, Sample, make_sample, score_answers
 
 FULL = "full"
+#: The protect mode of rows and folders from before the field existed.
+LEGACY_PROTECT = "paper"
 
 
 def budget_label(b) -> str:
@@ -58,10 +72,24 @@ class EvalConfig:
     model: str = "smollm2"
     checkpoint: Optional[str] = None
     window: int = 64
+    protect: str = DEFAULT_PROTECT  # --protect: paper (4 sinks + 16 recent always kept) or none
+
+    def __post_init__(self) -> None:
+        protected_counts(self.protect)  # an unknown mode fails here
 
     def identity(self) -> Dict:
         """Settings that must not change when a run is resumed in the same folder."""
-        return {"model": self.model, "seed": self.seed, "window": self.window}
+        return {"model": self.model, "seed": self.seed, "window": self.window, "protect": self.protect}
+
+
+def stored_identity(out_dir: Path) -> Optional[Dict]:
+    """The identity a folder's run.json records (None without run.json); a folder from before the
+    protect field was `paper`."""
+    meta = Path(out_dir) / "run.json"
+    if not meta.exists():
+        return None
+    ident = json.loads(meta.read_text()).get("identity")
+    return {"protect": LEGACY_PROTECT, **ident} if isinstance(ident, dict) else ident
 
 
 def _protocols_for(sample: Sample, protocols: Sequence[str]) -> List[str]:
@@ -91,9 +119,11 @@ def make_scorers(rules: Sequence[str], sample: Sample, checkpoint: Optional[str]
 def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budgets: Sequence,
                     protocols: Sequence[str], checkpoint: Optional[str] = None,
                     full_record: Optional[Dict] = None, window: int = 64,
-                    scorer_cache: Optional[Dict] = None, timings: Optional[Dict] = None) -> List[Dict]:
+                    scorer_cache: Optional[Dict] = None, timings: Optional[Dict] = None,
+                    protect: str = DEFAULT_PROTECT) -> List[Dict]:
     """All rows of one sample. `rules` excludes "full", which is always computed (or reused from
-    full_record, which carries the stored full-cache answer)."""
+    full_record, which carries the stored full-cache answer). Every rule row records the rule's
+    definition and the protect mode (and KVP rows the policy's sha256)."""
     timings = timings if timings is not None else defaultdict(float)
     scorer_cache = scorer_cache if scorer_cache is not None else {}
     eos = P._eos_ids(model, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -115,7 +145,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         future = P.oracle_importance(model, pre, answer if sample.kind == "qa" else sample.gold_ids)
         timings["oracle_future"] += time.perf_counter() - t0
     scorers = make_scorers([r for r in rules if r != FULL], sample, checkpoint, scorer_cache)
-    kvp_stamp = {"checkpoint_sha256": checkpoint_sha256(checkpoint)} if "kvp" in scorers else {}
+    stamp = {name: {"rule_def": sc.definition, "protect": protect} for name, sc in scorers.items()}
+    if "kvp" in stamp:
+        stamp["kvp"]["checkpoint_sha256"] = checkpoint_sha256(checkpoint)
 
     def row(protocol, rule, label, kept, cache_len, out: P.Outcome):
         text = tokenizer.decode([t for t in out.tokens if t not in eos], skip_special_tokens=True)
@@ -123,7 +155,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
                  output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
                  agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
-        return dict(r, **kvp_stamp) if rule == "kvp" else r
+        return dict(r, **stamp.get(rule, {}))
 
     rows: List[Dict] = []
     for protocol in protos:
@@ -144,16 +176,15 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         timings["scoring"] += time.perf_counter() - t0
         jobs = []  # (rule, budget label, b, compacted layers): every rule and budget, one padded batch
         for budget in budgets:
-            b = P.resolve_budget(budget, cache_len)
+            b = P.resolve_budget(budget, cache_len, protect)
             label = budget_label(budget)
             if b >= cache_len:  # keeps everything: identical to the full cache
                 for name in scorers:
-                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None,
-                                     **(kvp_stamp if name == "kvp" else {})))
+                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None, **stamp[name]))
                 continue
             t0 = time.perf_counter()
             for name in scorers:
-                kept = P.kept_indices(ranked[name], b)
+                kept = P.kept_indices(ranked[name], b, protect)
                 jobs.append((name, label, b, P.compacted_layers(pre, protocol, kept)))
             timings["select_compact"] += time.perf_counter() - t0
         if jobs:
@@ -181,14 +212,76 @@ def checkpoint_sha256(checkpoint: Optional[str]) -> Optional[str]:
     return json.loads(path.read_text()).get("weights_sha256") if path.exists() else None
 
 
-def is_current(r: Dict, kvp_sha: Optional[str]) -> bool:
-    """False for a KVP row made by another policy than the current checkpoint."""
-    return r["rule"] != "kvp" or r.get("checkpoint_sha256") == kvp_sha
+def row_definition(r: Dict) -> str:
+    """The definition of the rule that made a row (rows from before the field: LEGACY_DEFINITION)."""
+    return r.get("rule_def", LEGACY_DEFINITION)
 
 
-def current_rows(rows: List[Dict], kvp_sha: Optional[str]) -> List[Dict]:
-    """The newest row of every key, without KVP rows of another policy."""
-    return [r for r in {row_key(r): r for r in rows}.values() if is_current(r, kvp_sha)]
+def row_protect(r: Dict) -> str:
+    """The protect mode a row was made with (rows from before the field: LEGACY_PROTECT)."""
+    return r.get("protect", LEGACY_PROTECT)
+
+
+def is_current(r: Dict, kvp_sha: Optional[str], protect: str = DEFAULT_PROTECT) -> bool:
+    """False for a stale row: a KVP row made by another policy than the current checkpoint, a row of a
+    rule whose definition has changed since, or a row made under another protect mode. Full-cache rows
+    depend on neither and are always current."""
+    rule = r["rule"]
+    if rule == FULL:
+        return True
+    if rule in SCORERS and row_definition(r) != rule_definition(rule):
+        return False
+    if row_protect(r) != protect:
+        return False
+    return rule != "kvp" or r.get("checkpoint_sha256") == kvp_sha
+
+
+def variant_label(rule: str, definition: str, protect: str, current_protect: str = DEFAULT_PROTECT) -> str:
+    """The name stale rows are reported under: the rule, "@<definition>" when that is not the rule's
+    current one, "[protect=<mode>]" when the mode is not the current one (e.g. "tova@v1")."""
+    label = rule
+    if rule in SCORERS and definition != rule_definition(rule):
+        label += f"@{definition}"
+    if protect != current_protect:
+        label += f"[protect={protect}]"
+    return label
+
+
+def current_rows(rows: List[Dict], kvp_sha: Optional[str], protect: str = DEFAULT_PROTECT) -> List[Dict]:
+    """The rows to report: the newest row of every key; KVP rows of another policy left out. Rows of
+    another definition or protect mode (stale) are never reported beside current rows of their rule:
+    a rule with current rows loses its stale ones; a rule with none (e.g. a folder made before the
+    rule changed) is reported from its newest stored variant, renamed by `variant_label`."""
+    newest = {row_key(r): (i, r) for i, r in enumerate(rows)}.values()
+    out: List[Dict] = []
+    stale: Dict[str, List[Tuple[int, Dict]]] = defaultdict(list)
+    for i, r in newest:
+        if is_current(r, kvp_sha, protect):
+            out.append(r)
+        elif not (r["rule"] == "kvp" and r.get("checkpoint_sha256") != kvp_sha):
+            stale[r["rule"]].append((i, r))
+    reported = {r["rule"] for r in out}
+    for rule, rs in stale.items():
+        if rule in reported:
+            continue
+        variant = lambda r: (row_definition(r), row_protect(r))  # noqa: E731
+        last = variant(max(rs, key=lambda ir: ir[0])[1])
+        label = variant_label(rule, *last, current_protect=protect)
+        out.extend({**r, "rule": label} for _, r in sorted(rs, key=lambda ir: ir[0]) if variant(r) == last)
+    return out
+
+
+def reported_rules(rows: List[Dict], rules: Sequence[str]) -> List[str]:
+    """The names `rules` have in reported rows: the rule itself, else the label of its stale variant."""
+    present = {r["rule"] for r in rows}
+    out = []
+    for rule in rules:
+        if rule in present:
+            out.append(rule)
+        else:
+            variants = sorted(p for p in present if p.startswith((rule + "@", rule + "[")))
+            out.extend(variants or [rule])
+    return out
 
 
 def row_key(r: Dict) -> Tuple:
@@ -395,13 +488,16 @@ def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
 
 def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict) -> Dict:
     agg = aggregate(complete_rows(rows))
-    settings = {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets]}
+    settings = {**cfg.__dict__, "budgets": [budget_label(b) for b in cfg.budgets],
+                "rule_definitions": {r: rule_definition(r) for r in cfg.rules if r in SCORERS}}
     if checkpoint_sha256(cfg.checkpoint):
         settings["checkpoint_weights_sha256"] = checkpoint_sha256(cfg.checkpoint)
+    stale = sorted({r["rule"] for r in rows if "@" in r["rule"] or "[" in r["rule"]})  # variant_label
     results = {
         "settings": settings,
-        "measured": {"samples_per_task_all_rules": samples_done(rows, cfg.rules),
-                     "rows": len(rows), **extra},
+        "measured": {"samples_per_task_all_rules": samples_done(rows, reported_rules(rows, cfg.rules)),
+                     "rows": len(rows), **({"stale_variants_reported": stale} if stale else {}),
+                     **extra},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": __import__("transformers").__version__,
                         "machine": platform.machine(), "threads": torch.get_num_threads()},
@@ -410,7 +506,13 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
                   "aggregates cover the samples that have every rule and budget (the same samples "
                   "for every rule); per_sample.csv.gz has every row",
                   "delta_logprob_per_token = teacher-forced log-likelihood of the gold answer per "
-                  "token under the compressed cache minus the full cache (0 = no loss)"],
+                  "token under the compressed cache minus the full cache (0 = no loss)",
+                  f"protect={cfg.protect}: " + ("the 4 sink and 16 most recent tokens are always kept "
+                                                "(the KVP paper's protocol)" if cfg.protect == "paper"
+                                                else "no token is protected (each rule's own choice)"),
+                  "rows record rule_def (the rule's definition) and protect; a rule reported as "
+                  "name@vN (or name[protect=...]) has only rows of an older definition (or another "
+                  "protect mode) in this folder: rerun kvp-eval to recompute it"],
         "aggregate": agg,
         "task_average": task_average(rows),
     }
@@ -433,9 +535,9 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     with open(out_dir / ".lock", "w") as lock:  # processes sharing a new folder: one creates run.json
         fcntl.flock(lock, fcntl.LOCK_EX)
         if meta_path.exists():
-            stored = json.loads(meta_path.read_text())
-            if stored.get("identity") != cfg.identity():
-                raise SystemExit(f"error: {out_dir} holds a run with other settings {stored.get('identity')}"
+            stored = stored_identity(out_dir)
+            if stored != cfg.identity():
+                raise SystemExit(f"error: {out_dir} holds a run with other settings {stored}"
                                  f" (now {cfg.identity()}); use another --out folder")
         else:
             meta_path.write_text(json.dumps({"identity": cfg.identity(), "started": time.time()}, indent=1))
@@ -445,7 +547,8 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         raise SystemExit(f"error: {e}")
     kvp_sha = checkpoint_sha256(cfg.checkpoint)
     rows = read_rows(store)
-    have = {row_key(r): r for r in rows if is_current(r, kvp_sha)}  # a stale KVP row counts as missing
+    # a stale row (another policy, rule definition or protect mode) counts as missing
+    have = {row_key(r): r for r in rows if is_current(r, kvp_sha, cfg.protect)}
     renderer = Renderer(tokenizer)
     # Interleave tasks (sample index outermost) so an interrupted run covers every task evenly.
     plan = [(i, length, task) for i in range(cfg.samples) for length in cfg.lengths for task in cfg.tasks]
@@ -469,7 +572,7 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         full_record = have.get(full_keys[0]) if all(k in have for k in full_keys) else None
         new = evaluate_sample(model, tokenizer, sample, [r for r in missing if r != FULL],
                               cfg.budgets, cfg.protocols, cfg.checkpoint, full_record, cfg.window,
-                              scorer_cache, timings)
+                              scorer_cache, timings, protect=cfg.protect)
         new = [r for r in new if row_key(r) not in have]
         append_rows(store, new)
         for r in new:
@@ -491,7 +594,7 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         fcntl.flock(lock, fcntl.LOCK_EX)
         for path in (store, log_path):
             compact(path)  # the per-sample gzip members as one (no-op for a plain file)
-        rows = current_rows(read_rows(store), kvp_sha)
+        rows = current_rows(read_rows(store), kvp_sha, cfg.protect)
         results = write_outputs(out_dir, cfg, rows, extra)
         if plots:
             try:

@@ -1,12 +1,22 @@
 """Scoring rules, one file each, registered by name in `SCORERS`."""
 
-from .base import SCORERS, LayerKV, Scorer, attention_probs, make_scorer, register
+from .base import LEGACY_DEFINITION, SCORERS, LayerKV, Scorer, attention_probs, make_scorer, register
 from . import kvp, streaming, tova, snapkv, lagkv, keydiff, knorm, random, oracle  # noqa: F401  (register)
 
 #: Rules a server may run (the oracle needs the future).
 SERVABLE_RULES = tuple(sorted(n for n, c in SCORERS.items() if not c.evaluation_only))
 #: Rules that need the last queries captured.
 QUERY_AWARE_RULES = tuple(sorted(n for n, c in SCORERS.items() if c.needs_queries))
+#: The training-free rules KVP is compared with (every servable rule but KVP itself).
+BASELINE_RULES = tuple(n for n in SERVABLE_RULES if n != "kvp")
+
+
+def rule_definition(name: str) -> str:
+    """The current default definition of a registered rule ("v<version>"; see base.py)."""
+    if name not in SCORERS:
+        raise ValueError(f"unknown eviction rule {name!r}; known rules: {', '.join(sorted(SCORERS))}")
+    return SCORERS[name].default_definition()
+
 
 __all__ = ["SCORERS", "LayerKV", "Scorer", "attention_probs", "make_scorer", "register",
-           "SERVABLE_RULES", "QUERY_AWARE_RULES"]
+           "SERVABLE_RULES", "QUERY_AWARE_RULES", "BASELINE_RULES", "LEGACY_DEFINITION", "rule_definition"]

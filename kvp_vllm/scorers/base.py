@@ -4,12 +4,17 @@ A scoring rule looks at one layer's cache for one sequence and returns a score p
 cached token; higher means "more worth keeping". `kvp_vllm.selection.select_topb` then turns the
 scores into the kept indices. Every rule lives in its own file in this package and registers itself
 with `@register("name")`.
+
+Definitions are versioned: a rule's `version` is bumped whenever its default scores change, and its
+docstring says what each version was. Evaluation rows record `Scorer.definition` ("v2", or "v2" plus
+the options that differ from the defaults), so a result folder never averages two definitions of a
+rule. Rows written before versioning carry no definition: they are `LEGACY_DEFINITION` ("v1").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, Optional, Type
+from dataclasses import dataclass, fields
+from typing import Callable, ClassVar, Dict, Optional, Tuple, Type
 
 import torch
 
@@ -76,10 +81,18 @@ class LayerKV:
         return self.queries.reshape(self.num_kv_heads, q_heads // self.num_kv_heads, w, d)
 
 
+#: The definition of every rule before definitions were versioned (rows without `rule_def`).
+LEGACY_DEFINITION = "v1"
+
+
 class Scorer:
     """Base class of a scoring rule. Subclasses are dataclasses with typed, documented defaults."""
 
     name: ClassVar[str] = ""
+    #: Version of the rule's default definition; bump it when the default scores change.
+    version: ClassVar[int] = 1
+    #: Dataclass fields that are inputs rather than options of the definition (a seed, the weights).
+    not_definition_options: ClassVar[Tuple[str, ...]] = ()
     #: True when the rule needs `LayerKV.queries` (the server must capture them).
     needs_queries: ClassVar[bool] = False
     #: True for rules that look at the future (the oracle): evaluation only, never served.
@@ -93,6 +106,23 @@ class Scorer:
     def query_window(self) -> int:
         """How many of the last queries the rule reads (0 = none): what the server captures."""
         return 0
+
+    @classmethod
+    def default_definition(cls) -> str:
+        """The definition of the rule with its default options: "v<version>"."""
+        return f"v{cls.version}"
+
+    @property
+    def definition(self) -> str:
+        """"v<version>", followed by every option that differs from its default (",name=value")."""
+        opts = []
+        for f in fields(self) if hasattr(self, "__dataclass_fields__") else ():
+            if f.name in self.not_definition_options or not f.init:
+                continue
+            value = getattr(self, f.name)
+            if value != f.default:
+                opts.append(f"{f.name}={value!r}")
+        return ",".join([self.default_definition(), *opts])
 
     def select_paged(self, layer: int, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
                      seq_lens, budgets, positions: torch.Tensor, position_lengths, n_sink: int,

@@ -17,6 +17,8 @@ from .base import LayerKV, Scorer, register
 class KVPScorer(Scorer):
     policy: Optional["KVPPolicy"] = None  # noqa: F821 - imported lazily to avoid a cycle
     checkpoint: Optional[str] = None
+    # the weights are identified apart (evaluation rows record their sha256)
+    not_definition_options = ("policy", "checkpoint")
 
     def __post_init__(self) -> None:
         from ..policy import KVPPolicy

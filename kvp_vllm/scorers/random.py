@@ -12,6 +12,7 @@ from .base import LayerKV, Scorer, register
 @dataclass
 class RandomScorer(Scorer):
     seed: int = 0
+    not_definition_options = ("seed",)  # the harness seeds it per sample
 
     def score(self, kv: LayerKV) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + kv.layer)

@@ -1,5 +1,6 @@
 """`kvp-vllm serve MODEL --kv-eviction RULE --kv-budget N [--kvp-checkpoint PATH]
-[--kv-evict-interval M] [any vllm serve flag]`: vLLM's OpenAI-compatible server with KV eviction.
+[--kv-evict-interval M] [--protect {paper,none}] [any vllm serve flag]`: vLLM's OpenAI-compatible server
+with KV eviction.
 
 Our flags are parsed here and travel to every vLLM process as `KVP_VLLM_CONFIG`; every other flag
 goes to vLLM's own `serve` command unchanged (we call it directly: vLLM's `vllm` console script looks
@@ -15,10 +16,12 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
+from ..selection import DEFAULT_PROTECT, PROTECT_MODES, protected_counts
 from .config import CLI_RULES, ENV_VAR, EvictionConfig, resolve_checkpoint
 
 USAGE = ("kvp-vllm serve MODEL --kv-eviction {%s} --kv-budget N [--kvp-checkpoint PATH] "
-         "[--kv-evict-interval M] [vllm serve options]" % ",".join(CLI_RULES))
+         "[--kv-evict-interval M] [--protect {%s}] [vllm serve options]"
+         % (",".join(CLI_RULES), ",".join(PROTECT_MODES)))
 
 
 class CLIError(Exception):
@@ -108,8 +111,9 @@ def build_config(args) -> EvictionConfig:
             KVPPolicy.load(checkpoint, expect=expect)
         except CheckpointError as e:
             raise CLIError(str(e)) from None
+    n_sink, n_recent = protected_counts(getattr(args, "protect", None) or DEFAULT_PROTECT)
     cfg = EvictionConfig(rule=rule, budget=args.kv_budget, interval=args.kv_evict_interval,
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, n_sink=n_sink, n_recent=n_recent)
     try:
         return cfg.validate()
     except ValueError as e:
@@ -142,6 +146,10 @@ def add_eviction_args(parser) -> None:
                             "rule it makes vllm_xargs={\"kv_rule\": \"kvp\"} available per request")
     group.add_argument("--kv-evict-interval", type=int, default=64,
                        help="during decoding, compact again once a request holds budget + M tokens")
+    group.add_argument("--protect", default=DEFAULT_PROTECT, choices=list(PROTECT_MODES),
+                       help="tokens every rule keeps whatever its scores: paper = the first 4 (sinks) "
+                            "and the last 16 (the KVP paper's protocol; budgets >= 20), none = only the "
+                            "rule's own choice (budgets >= 1)")
 
 
 def _model_arg(argv: Sequence[str]) -> str:

@@ -11,21 +11,19 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
+from ..scorers import SERVABLE_RULES
+from ..selection import (DEFAULT_RECENT, DEFAULT_SINKS, BudgetError, check_budget, min_budget,  # noqa: F401
+                         protect_mode)
 
 ENV_VAR = "KVP_VLLM_CONFIG"
-#: The rules the server accepts on the command line ("none" = plain vLLM). `random` is served too
-#: (a floor for benchmarks); `oracle` needs the future and is refused.
-CLI_RULES = ("none", "kvp", "streaming", "knorm", "keydiff", "lagkv", "snapkv", "tova", "random")
+#: The rules the server accepts on the command line ("none" = plain vLLM), from the scorer registry:
+#: every servable rule (`random` too, a floor for benchmarks); `oracle` needs the future and is refused.
+CLI_RULES = ("none", "kvp", *(r for r in SERVABLE_RULES if r != "kvp"))
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 # Suffixes our asset converter (and common conversions) append to a model folder's name.
 _NAME_SUFFIXES = ("-bf16", "-fp16", "-fp32", "-float32", "-bfloat16", "-safetensors", "-hf")
-
-
-class BudgetError(ValueError):
-    """A per-request `kv_budget` is not acceptable (the API answers HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +32,7 @@ class EvictionConfig:
     budget: Optional[int] = None       # server default tokens kept per KV head (None = no eviction)
     interval: int = 64                 # decode growth past the budget that triggers a re-compaction
     checkpoint: Optional[str] = None   # KVP policy folder (rule "kvp" only)
+    # tokens every rule keeps whatever its scores (--protect: paper = 4 + 16, none = 0 + 0)
     n_sink: int = DEFAULT_SINKS
     n_recent: int = DEFAULT_RECENT
 
@@ -43,7 +42,12 @@ class EvictionConfig:
 
     @property
     def min_budget(self) -> int:
-        return self.n_sink + self.n_recent
+        return min_budget(self.n_sink, self.n_recent)
+
+    @property
+    def protect(self) -> Optional[str]:
+        """The --protect mode of n_sink / n_recent ("paper", "none"; None for other counts)."""
+        return protect_mode(self.n_sink, self.n_recent)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -59,26 +63,18 @@ class EvictionConfig:
         if self.rule not in CLI_RULES:
             raise ValueError(f"unknown --kv-eviction rule {self.rule!r}; choose one of "
                              f"{', '.join(CLI_RULES)} (oracle is evaluation-only)")
+        for name in ("n_sink", "n_recent"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
         if self.enabled:
             if self.budget is not None:
-                check_budget_value(self.budget, self.min_budget, None, what="--kv-budget")
+                check_budget(self.budget, self.n_sink, self.n_recent, what="--kv-budget")
         elif self.budget:
             raise ValueError("--kv-budget needs an eviction rule (--kv-eviction); got --kv-eviction none")
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"--kv-evict-interval must be a positive integer; got {self.interval!r}")
         return self
-
-
-def check_budget_value(value: Any, min_budget: int, max_budget: Optional[int], what: str = "kv_budget") -> int:
-    """An integer budget in [min_budget, max_budget]; bools, floats and strings are refused."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BudgetError(f"{what} must be an integer number of tokens, 0, or \"none\"; got {value!r}")
-    if value < min_budget:
-        raise BudgetError(f"{what} must be 0/\"none\" (no eviction) or at least {min_budget} tokens "
-                          f"(the sink and recent tokens are always kept); got {value}")
-    if max_budget is not None and value > max_budget:
-        raise BudgetError(f"{what} {value} exceeds the model's maximum length {max_budget}")
-    return value
 
 
 def request_budget(extra_args: Optional[dict], cfg: EvictionConfig,
@@ -98,7 +94,8 @@ def request_budget(extra_args: Optional[dict], cfg: EvictionConfig,
     if not cfg.enabled:
         raise BudgetError("this server runs without KV eviction (--kv-eviction none); "
                           "kv_budget must be 0 or \"none\"")
-    return check_budget_value(value, cfg.min_budget, max_model_len)
+    return check_budget(value, cfg.n_sink, cfg.n_recent, maximum=max_model_len, what="kv_budget",
+                        allow_off=True)
 
 
 def request_rule(extra_args: Optional[dict], cfg: EvictionConfig) -> str:

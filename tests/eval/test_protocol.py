@@ -157,3 +157,15 @@ def test_two_chunk_prefill_equals_one_pass(model):
         assert pre.q_aware[l].shape == one.queries[l].shape == (4, 16, 16)
         assert torch.allclose(pre.q_aware[l], one.queries[l], atol=1e-5)
         assert torch.allclose(pre.q_context[l], ctx.queries[l], atol=1e-5)
+
+
+def test_protect_modes_in_the_harness():
+    """--protect paper keeps 4 sinks + 16 recent tokens whatever the rule says; none keeps the rule's
+    own top-b, and the minimum budget falls from 20 to 1."""
+    scores = [torch.arange(40, dtype=torch.float32).flip(0).expand(2, 40)]  # prefers the oldest tokens
+    assert P.kept_indices(scores, 24)[0][0].tolist() == list(range(8)) + list(range(24, 40))
+    assert P.kept_indices(scores, 24, "paper")[0][0].tolist() == list(range(8)) + list(range(24, 40))
+    assert P.kept_indices(scores, 8, "none")[0][0].tolist() == list(range(8))
+    assert P.resolve_budget(5, 100) == 20 and P.resolve_budget(5, 100, "none") == 5
+    with pytest.raises(ValueError, match="unknown protect mode"):
+        P.kept_indices(scores, 8, "some")

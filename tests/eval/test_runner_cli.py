@@ -160,6 +160,7 @@ def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model,
     (["--rules", "kvp", "--checkpoint", ""], "needs a trained policy"),
     (["--lengths", "16K"], "above the model's context of 8192"),
     (["--seed", "1000000"], "larger seeds draw the training traces"),
+    (["--protect", "some"], "invalid choice: 'some'"),
 ])
 def test_cli_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -304,6 +305,8 @@ def test_merge_policy_rows_puts_a_second_policy_beside_the_baselines():
 def test_compare_policies_script_writes_tables_and_plots(tmp_path):
     """benchmarks/compare_policies.py on two synthetic folders: the other policy's row appears."""
     import subprocess
+
+    from kvp_vllm.scorers import rule_definition
     import sys
     from pathlib import Path
 
@@ -319,7 +322,8 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
                              "budget": "full" if rule == "full" else "64", "kept": 64, "cache_len": 500,
                              "output": " 1", "correct": rule != "tova", "recall": 1.0, "same_as_full": True,
                              "gold_logprob": -1.0, "gold_tokens": 2,
-                             **({"checkpoint_sha256": sha} if rule == "kvp" else {})})
+                             **({"checkpoint_sha256": sha} if rule == "kvp" else {}),
+                             **({"rule_def": rule_definition(rule)} if rule != "full" else {})})
         (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return d
 
@@ -334,3 +338,104 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
                            "--label", "tova", "--out", str(tmp_path / "cmp2")], capture_output=True, text=True)
     assert proc.returncode != 0 and "already a rule" in proc.stderr
+
+
+def _synthetic(rule, index, correct, budget="64", **fields):
+    return {"task": "niah_single_repeat", "length": 256, "index": index, "prompt_tokens": 250, "kind": "qa",
+            "protocol": "query_aware", "rule": rule, "budget": "full" if rule == "full" else budget,
+            "kept": 64, "cache_len": 250, "output": " 1", "correct": correct, "recall": float(correct),
+            "same_as_full": correct, "gold_logprob": -1.0, "gold_tokens": 2, **fields}
+
+
+def test_rows_of_another_definition_or_protect_mode_are_never_mixed():
+    """Legacy rows (no rule_def / protect) are v1 / paper: current for unchanged rules (knorm), stale
+    for the rules made faithful to kvpress (tova v2). A rule with only stale rows is reported under its
+    variant's label; once current rows exist, the stale ones are left out."""
+    from kvp_vllm.eval.runner import current_rows, is_current, variant_label
+
+    legacy = [_synthetic("full", i, True) for i in range(2)] + \
+             [_synthetic("knorm", i, True) for i in range(2)] + [_synthetic("tova", i, False) for i in range(2)]
+    assert is_current(legacy[2], None) and not is_current(legacy[4], None)
+    assert not is_current(legacy[2], None, protect="none") and is_current(legacy[0], None, protect="none")
+    assert variant_label("tova", "v1", "paper") == "tova@v1"
+    assert variant_label("knorm", "v1", "paper", current_protect="none") == "knorm[protect=paper]"
+    rep = current_rows(legacy, None)
+    assert sorted({r["rule"] for r in rep}) == ["full", "knorm", "tova@v1"]
+    avg = {a["rule"]: a["accuracy"] for a in task_average(rep)}
+    assert avg == {"full": 1.0, "knorm": 1.0, "tova@v1": 0.0}
+    # sample 1 recomputed with the current definition: v1 and v2 are never averaged together, and
+    # only the sample that has every rule counts
+    fresh = _synthetic("tova", 1, True, rule_def="v2", protect="paper")
+    rep = current_rows(legacy + [fresh], None)
+    assert sorted((r["rule"], r["index"]) for r in rep if "tova" in r["rule"]) == [("tova", 1)]
+    avg = {a["rule"]: a for a in task_average(rep)}
+    assert avg["tova"]["accuracy"] == 1.0 and avg["tova"]["samples"] == 1
+    # read under --protect none, the paper rows are another variant
+    assert sorted({r["rule"] for r in current_rows(legacy, None, protect="none")}) == \
+        ["full", "knorm[protect=paper]", "tova@v1[protect=paper]"]
+
+
+def test_stale_definitions_are_recomputed_on_resume(tmp_path, small_model, tokenizer):
+    """A folder from before definitions were versioned: its TOVA rows (v1) are recomputed with v2,
+    its K-Norm rows (unchanged, v1) are kept; every new row records rule_def and protect."""
+    cfg = EvalConfig(tasks=["niah_single_repeat"], lengths=[256], samples=1, budgets=[32, 4096],
+                     rules=["tova", "knorm"], protocols=["query_aware"])
+    run(cfg, small_model, tokenizer, tmp_path, progress=False, plots=False)
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert {(r["rule"], r.get("rule_def"), r.get("protect")) for r in rows} == \
+        {("full", None, None), ("tova", "v2", "paper"), ("knorm", "v1", "paper")}
+    # make it a legacy folder: rows without the fields, run.json without protect
+    legacy = [{k: v for k, v in r.items() if k not in ("rule_def", "protect")} for r in rows]
+    (tmp_path / "rows.jsonl.gz").unlink()
+    append_rows(tmp_path / "rows.jsonl.gz", legacy)
+    meta = json.loads((tmp_path / "run.json").read_text())
+    meta["identity"].pop("protect")
+    (tmp_path / "run.json").write_text(json.dumps(meta))
+    res = run(cfg, small_model, tokenizer, tmp_path, progress=False, plots=False)
+    assert res["measured"]["this_invocation"]["samples_computed"] == 1
+    added = read_rows(tmp_path / "rows.jsonl")[len(legacy):]
+    assert sorted({(r["rule"], r["rule_def"]) for r in added}) == [("tova", "v2")]
+    assert len(added) == 2  # both budgets (4096 keeps everything: a copy of the full row, stamped)
+    assert res["measured"]["rows"] == len(rows) and "stale_variants_reported" not in res["measured"]
+    assert res["settings"]["protect"] == "paper" and res["settings"]["rule_definitions"] == \
+        {"tova": "v2", "knorm": "v1"}
+    # a folder keeps its protect mode
+    with pytest.raises(SystemExit, match="other settings"):
+        run(EvalConfig(**{**cfg.__dict__, "protect": "none"}), small_model, tokenizer, tmp_path,
+            progress=False, plots=False)
+
+
+def test_protect_none_keeps_the_rules_own_choice(tmp_path, small_model, tokenizer):
+    """--protect none: budgets below 20 are allowed, each row records the mode."""
+    cfg = EvalConfig(tasks=["niah_single_repeat"], lengths=[256], samples=1, budgets=[8],
+                     rules=["streaming", "snapkv"], protocols=["query_aware"], protect="none")
+    res = run(cfg, small_model, tokenizer, tmp_path, progress=False, plots=False)
+    rows = [r for r in read_rows(tmp_path / "rows.jsonl") if r["rule"] != "full"]
+    assert {(r["rule"], r["protect"], r["kept"]) for r in rows} == {("streaming", "none", 8), ("snapkv", "none", 8)}
+    assert json.loads((tmp_path / "run.json").read_text())["identity"]["protect"] == "none"
+    assert res["settings"]["protect"] == "none"
+    with pytest.raises(ValueError, match="unknown protect mode"):
+        EvalConfig(tasks=[], lengths=[], samples=1, budgets=[], rules=[], protocols=[], protect="some")
+
+
+def test_report_only_labels_a_legacy_folder_by_its_old_definitions(tmp_path, capsys):
+    """kvp-eval --report-only on a folder made before versioning (like the committed results): the
+    changed rules' tables say which definition they measured."""
+    rows = [_synthetic("full", i, True) for i in range(2)] + [_synthetic("knorm", i, True) for i in range(2)] + \
+           [_synthetic("snapkv", i, i == 0) for i in range(2)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.json").write_text(json.dumps({"identity": {"model": "smollm2", "seed": 0, "window": 64}}))
+    assert cli.main(["--report-only", "--lengths", "256", "--tasks", "niah_single_repeat", "--budgets", "64",
+                     "--rules", "knorm,snapkv", "--checkpoint", "", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| snapkv@v1 | 0.500 |" in out and "| knorm | 1.000 |" in out
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2}
+    assert res["measured"]["stale_variants_reported"] == ["snapkv@v1"]
+    assert res["settings"]["protect"] == "paper"
+
+
+def test_budget_parsing_follows_the_protect_mode():
+    assert cli.parse_budgets("8,2", "none") == [8, 2]
+    with pytest.raises(ValueError, match="at least 20"):
+        cli.parse_budgets("8", "paper")

@@ -62,3 +62,46 @@ def test_shipped_checkpoint_lookup(tmp_path):
     assert shipped_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path) == folder
     with pytest.raises(FileNotFoundError, match="needs a trained policy"):
         resolve_checkpoint("other/Model-1B", None, tmp_path)
+
+
+def test_protect_modes_set_the_protected_counts_and_the_minimum_budget():
+    """--protect none: nothing protected, any budget >= 1; paper (default): 4 + 16, budgets >= 20."""
+    none = EvictionConfig(rule="knorm", budget=1, n_sink=0, n_recent=0).validate()
+    assert none.min_budget == 1 and none.protect == "none" and CFG.protect == "paper"
+    assert request_budget({"kv_budget": 1}, none) == 1
+    with pytest.raises(BudgetError, match="at least 1 tokens"):
+        request_budget({"kv_budget": -3}, none)
+    assert EvictionConfig.from_env({"KVP_VLLM_CONFIG": none.to_env()}) == none
+    with pytest.raises(ValueError, match="n_sink must be a non-negative integer"):
+        EvictionConfig(rule="knorm", budget=64, n_sink=-1).validate()
+
+
+def test_serve_cli_protect_flag(monkeypatch):
+    import argparse
+
+    from kvp_vllm.serving import cli
+
+    monkeypatch.setattr(cli, "_hf_config", lambda model: None)  # no model folder needed
+
+    def config(*flags):
+        parser = argparse.ArgumentParser()
+        cli.add_eviction_args(parser)
+        args = parser.parse_args(["--kv-eviction", "knorm", *flags])
+        args.model, args.model_tag = "m", None
+        return cli.build_config(args)
+
+    assert (config("--kv-budget", "64").n_sink, config("--kv-budget", "64").n_recent) == (4, 16)
+    cfg = config("--kv-budget", "8", "--protect", "none")
+    assert (cfg.n_sink, cfg.n_recent, cfg.budget) == (0, 0, 8)
+    with pytest.raises(cli.CLIError, match="at least 20"):
+        config("--kv-budget", "8", "--protect", "paper")
+    with pytest.raises(SystemExit):
+        config("--protect", "some")
+    assert "--protect {paper,none}" in cli.USAGE
+
+
+def test_server_rules_come_from_the_scorer_registry():
+    from kvp_vllm.scorers import SERVABLE_RULES
+    from kvp_vllm.serving.config import CLI_RULES
+
+    assert CLI_RULES[0] == "none" and set(CLI_RULES[1:]) == set(SERVABLE_RULES) and "oracle" not in CLI_RULES
