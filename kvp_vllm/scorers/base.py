@@ -103,6 +103,13 @@ class Scorer:
         raise NotImplementedError
 
     @property
+    def one_set_for_all_heads(self) -> bool:
+        """True when the rule gives every KV head the same scores (so every head keeps the same
+        tokens): the server then scores all heads of a compacted request together, with every
+        query head, instead of head by head."""
+        return False
+
+    @property
     def query_window(self) -> int:
         """How many of the last queries the rule reads (0 = none): what the server captures."""
         return 0

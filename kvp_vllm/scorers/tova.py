@@ -31,6 +31,10 @@ class TOVAScorer(Scorer):
     def query_window(self) -> int:
         return 1
 
+    @property
+    def one_set_for_all_heads(self) -> bool:
+        return not self.per_kv_group
+
     def score(self, kv: LayerKV) -> torch.Tensor:
         q = kv.grouped_queries()[:, :, -1:]  # the last query only: [H, G, 1, d]
         probs = attention_probs(q, kv.keys, kv.positions[-1:], kv.positions)[:, :, 0]  # [H, G, T]

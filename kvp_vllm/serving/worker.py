@@ -388,7 +388,7 @@ class WorkerEviction:
             if q is None:
                 raise RuntimeError(f"kvp-vllm: no captured queries for layer {layer}")
             queries = q.permute(1, 0, 2).float()  # [q_heads, W, d]
-        if job.st.positions is None:  # every head still holds the same tokens
+        if job.st.positions is None or scorer.one_set_for_all_heads:  # every head holds the same tokens
             return scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
         g = self.num_q_heads // self.num_kv_heads
         out = []

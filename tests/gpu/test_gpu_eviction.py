@@ -177,6 +177,8 @@ def test_query_capture_steps_run_without_the_full_graph_and_score(graphs):
     (record,) = history.values()
     assert len(record) >= 3, [length for length, _ in record]
     assert errors._value.get() == before, "a TOVA compaction found no captured query"
+    for length, kept in record:  # TOVA (kvpress): one set for every KV head, re-compactions too
+        assert torch.equal(kept[:, 0], kept[:, 1]), f"heads kept different tokens at L={length}"
     modes = dict(ev.cudagraph_modes)
     if not ON_CPU:
         assert modes.get("FULL", 0) > modes.get("NONE", 0) > 0, modes
