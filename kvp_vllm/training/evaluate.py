@@ -12,12 +12,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..scorers import LayerKV, make_scorer
+from ..scorers import BASELINE_RULES, QUERY_AWARE_RULES, LayerKV, make_scorer
 from .collect import TraceSet
 from .objective import greedy_normalised_cost, middle
 
-BASELINES = ("streaming", "knorm", "keydiff", "lagkv", "random", "tova", "snapkv")
-QUERY_AGNOSTIC = ("streaming", "knorm", "keydiff", "lagkv", "random")
+BASELINES = BASELINE_RULES  # every servable rule but KVP, from the scorer registry
+QUERY_AGNOSTIC = tuple(r for r in BASELINES if r not in QUERY_AWARE_RULES)
 
 
 def layer_kv(data: Dict[str, torch.Tensor], layer: int) -> LayerKV:
