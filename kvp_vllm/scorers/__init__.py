@@ -1,6 +1,7 @@
 """Scoring rules, one file each, registered by name in `SCORERS`."""
 
-from .base import LEGACY_DEFINITION, SCORERS, LayerKV, Scorer, attention_probs, make_scorer, register
+from .base import (LEGACY_DEFINITION, SCORERS, LayerKV, Scorer, attention_probs, make_scorer, register,
+                   score_held)
 from . import kvp, streaming, tova, snapkv, lagkv, keydiff, knorm, random, oracle  # noqa: F401  (register)
 
 #: Rules a server may run (the oracle needs the future).
@@ -18,5 +19,5 @@ def rule_definition(name: str) -> str:
     return SCORERS[name].default_definition()
 
 
-__all__ = ["SCORERS", "LayerKV", "Scorer", "attention_probs", "make_scorer", "register",
+__all__ = ["SCORERS", "LayerKV", "Scorer", "attention_probs", "make_scorer", "register", "score_held",
            "SERVABLE_RULES", "QUERY_AWARE_RULES", "BASELINE_RULES", "LEGACY_DEFINITION", "rule_definition"]

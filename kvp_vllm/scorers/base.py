@@ -141,6 +141,26 @@ class Scorer:
         return None
 
 
+def score_held(scorer: Scorer, layer: int, keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor, queries: Optional[torch.Tensor] = None,
+               heads_differ: bool = False) -> torch.Tensor:
+    """Scores [kv_heads, T] of the tokens a (possibly already compacted) cache holds, as the server
+    scores them at a compaction. keys/values [H, T, d]; positions [H, T] logical positions each head
+    holds; queries [q_heads, W, d] or None. When `heads_differ` (an earlier compaction kept a different
+    set per head) each head is scored on its own, with its own positions and GQA group of queries;
+    otherwise (and always for a rule that keeps one set for every head) all heads at once.
+    Shared by the server (worker) and the harness's long-generation replay."""
+    if not heads_differ or scorer.one_set_for_all_heads:  # every head holds the same tokens
+        return scorer.score(LayerKV(keys, values, positions[0].contiguous(), queries, layer=layer))
+    h_kv = keys.shape[0]
+    g = None if queries is None else queries.shape[0] // h_kv
+    out = []
+    for h in range(h_kv):
+        qh = None if queries is None else queries[h * g:(h + 1) * g]
+        out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1], positions[h].contiguous(), qh,
+                                        layer=layer)))
+    return torch.cat(out, dim=0)
+
 SCORERS: Dict[str, Type[Scorer]] = {}
 
 

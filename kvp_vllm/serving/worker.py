@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..kernels import compact_tail_batched, gather_kv
-from ..scorers import LayerKV, make_scorer
+from ..scorers import make_scorer, score_held
 from ..selection import select_topb
 from .attention_view import AttentionView
 from .config import EvictionConfig, request_budget, request_rule
@@ -388,15 +388,7 @@ class WorkerEviction:
             if q is None:
                 raise RuntimeError(f"kvp-vllm: no captured queries for layer {layer}")
             queries = q.permute(1, 0, 2).float()  # [q_heads, W, d]
-        if job.st.positions is None or scorer.one_set_for_all_heads:  # every head holds the same tokens
-            return scorer.score(LayerKV(keys, values, pos[0].contiguous(), queries, layer=layer))
-        g = self.num_q_heads // self.num_kv_heads
-        out = []
-        for h in range(self.num_kv_heads):
-            qh = None if queries is None else queries[h * g:(h + 1) * g]
-            out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1], pos[h].contiguous(), qh,
-                                            layer=layer)))
-        return torch.cat(out, dim=0)
+        return score_held(scorer, layer, keys, values, pos, queries, heads_differ=job.st.positions is not None)
 
     # -- query capture (called from the attention backend wrapper) -------------------------------
 
