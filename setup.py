@@ -40,6 +40,7 @@ setup(
         "console_scripts": [
             "kvp-vllm = kvp_vllm.serving.cli:main",
             "kvp-eval = kvp_vllm.eval.cli:main",
+            "kvp-eval-longgen = kvp_vllm.eval.longgen:main",
             "kvp-train = kvp_vllm.training.cli:main",
         ],
         # Loaded by vLLM in the API server, engine core and worker processes.

@@ -44,24 +44,29 @@ def attention_modules(model) -> list:
     return mods
 
 
-def _post_rope_queries(attn, hidden_states: torch.Tensor, position_embeddings, last: int) -> torch.Tensor:
-    """The module's own q projection + RoPE for the last `last` tokens -> [q_heads, last, d] (batch 0)."""
-    h = hidden_states[:1, -last:]
-    q = attn.q_proj(h).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2)
+def _post_rope_queries(attn, hidden_states: torch.Tensor, position_embeddings, last: int,
+                       all_rows: bool = False) -> torch.Tensor:
+    """The module's own q projection + RoPE for the last `last` tokens -> [q_heads, last, d] (batch 0),
+    or [B, q_heads, last, d] for every batch row with all_rows."""
+    h = hidden_states[:, -last:] if all_rows else hidden_states[:1, -last:]
+    q = attn.q_proj(h).view(h.shape[0], h.shape[1], -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3/Gemma-style per-head query norm
         q = attn.q_norm(q)
     cos, sin = position_embeddings
     rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     q, _ = rope(q, q, cos[:, -last:], sin[:, -last:])
-    return q[0].detach()
+    return q.detach() if all_rows else q[0].detach()
 
 
 @torch.no_grad()
 def forward_capture(model, input_ids: torch.Tensor, cache=None, query_last: int = 0,
-                    position_ids: Optional[torch.Tensor] = None) -> Capture:
+                    position_ids: Optional[torch.Tensor] = None, all_rows: bool = False,
+                    logits_to_keep: int = 1) -> Capture:
     """Forward `input_ids` [1, n] (optionally on top of `cache`), capturing the post-RoPE queries of
     the last `query_last` input tokens per layer. Returns the updated cache and its keys/values, and the
-    last token's logits (logits for every position would cost a fifth of a 2K-token prefill)."""
+    last token's logits (logits for every position would cost a fifth of a 2K-token prefill; pass
+    logits_to_keep=0 for all of them). With all_rows, input_ids may be [B, n] and keys/values/queries
+    keep the batch dimension ([B, kv_heads, T, d], [B, q_heads, W, d])."""
     from transformers import DynamicCache
 
     cache = cache if cache is not None else DynamicCache()
@@ -75,18 +80,20 @@ def forward_capture(model, input_ids: torch.Tensor, cache=None, query_last: int 
             def hook(module, args, kwargs, output):
                 hs = kwargs.get("hidden_states", args[0] if args else None)
                 queries[i] = _post_rope_queries(module, hs, kwargs["position_embeddings"],
-                                                min(query_last, hs.shape[1]))
+                                                min(query_last, hs.shape[1]), all_rows)
             return hook
 
         hooks = [m.register_forward_hook(make_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
     try:
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                    **kwargs)
     finally:
         for h in hooks:
             h.remove()
-    keys = [layer.keys[0] for layer in out.past_key_values.layers]
-    values = [layer.values[0] for layer in out.past_key_values.layers]
+    row = slice(None) if all_rows else 0
+    keys = [layer.keys[row] for layer in out.past_key_values.layers]
+    values = [layer.values[row] for layer in out.past_key_values.layers]
     return Capture(cache=out.past_key_values, keys=keys, values=values, queries=queries,
                    logits=out.logits)
 

@@ -35,6 +35,36 @@ def default_checkpoint(model_name: str) -> Optional[Path]:
     return shipped_checkpoint(SMOLLM2_NAME if model_name == "smollm2" else model_name)
 
 
+def resolve_checkpoint(arg: Optional[str], model_name: str) -> Optional[str]:
+    """--checkpoint: 'auto' = the packaged policy for the model (None when none ships), a folder
+    (which must exist), or empty/None for no policy."""
+    if arg == "auto":
+        found = default_checkpoint(model_name)
+        return str(found) if found else None
+    if arg and not Path(arg).exists():
+        raise ValueError(f"checkpoint {arg} does not exist")
+    return arg or None
+
+
+def load_model(model_name: str):
+    """(model, tokenizer) in fp32, eval mode: 'smollm2' (the packaged asset, its weights verified) or
+    a local Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_name == "smollm2":
+        from ..assets import smollm2_path
+
+        model_path = str(smollm2_path())  # verifies the converted weights (rebuilds them if corrupt)
+    elif Path(model_name).exists():
+        model_path = model_name
+    else:
+        raise ValueError(f"model folder {model_name} does not exist (use 'smollm2' or a local HF folder)")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
 def _csv(text: str) -> List[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -141,14 +171,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for p in protocols:
         if p not in PROTOCOLS:
             fail(f"unknown protocol {p!r}; known: {', '.join(PROTOCOLS)}")
-    checkpoint = None
-    if args.checkpoint == "auto":
-        found = default_checkpoint(args.model)
-        checkpoint = str(found) if found else None
-    elif args.checkpoint:
-        if not Path(args.checkpoint).exists():
-            fail(f"checkpoint {args.checkpoint} does not exist")
-        checkpoint = args.checkpoint
+    try:
+        checkpoint = resolve_checkpoint(args.checkpoint, args.model)
+    except ValueError as e:
+        fail(str(e))
     if args.rules == "all":
         rules = [r for r in sorted(SCORERS) if r != "kvp"]
         if checkpoint:
@@ -163,7 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"{args.model} yet)")
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
     if args.model == "smollm2":
         from ..assets import smollm2_path
@@ -214,10 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model == "smollm2":
-        model_path = str(smollm2_path())  # verifies the converted weights (rebuilds them if corrupt)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model, tokenizer = load_model(args.model)
     print(f"kvp-eval: {model_path} | tasks {','.join(tasks)} | lengths {lengths} | {args.samples} samples"
           f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)} | protect {protect}"
           f" | out {out}", file=sys.stderr)

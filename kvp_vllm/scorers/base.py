@@ -131,6 +131,20 @@ class Scorer:
                 opts.append(f"{f.name}={value!r}")
         return ",".join([self.default_definition(), *opts])
 
+    def score_heads(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    queries: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Scores [kv_heads, T] when each head holds its own tokens (positions [kv_heads, T]): by
+        default head by head, each with its GQA group of queries. A rule that scores heads apart
+        anyway (KVP) overrides it with one call."""
+        h_kv = keys.shape[0]
+        g = None if queries is None else queries.shape[0] // h_kv
+        out = []
+        for h in range(h_kv):
+            qh = None if queries is None else queries[h * g:(h + 1) * g]
+            out.append(self.score(LayerKV(keys[h:h + 1], values[h:h + 1], positions[h].contiguous(), qh,
+                                          layer=layer)))
+        return torch.cat(out, dim=0)
+
     def select_paged(self, layer: int, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
                      seq_lens, budgets, positions: torch.Tensor, position_lengths, n_sink: int,
                      n_recent: int):
@@ -152,14 +166,8 @@ def score_held(scorer: Scorer, layer: int, keys: torch.Tensor, values: torch.Ten
     Shared by the server (worker) and the harness's long-generation replay."""
     if not heads_differ or scorer.one_set_for_all_heads:  # every head holds the same tokens
         return scorer.score(LayerKV(keys, values, positions[0].contiguous(), queries, layer=layer))
-    h_kv = keys.shape[0]
-    g = None if queries is None else queries.shape[0] // h_kv
-    out = []
-    for h in range(h_kv):
-        qh = None if queries is None else queries[h * g:(h + 1) * g]
-        out.append(scorer.score(LayerKV(keys[h:h + 1], values[h:h + 1], positions[h].contiguous(), qh,
-                                        layer=layer)))
-    return torch.cat(out, dim=0)
+    return scorer.score_heads(layer, keys, values, positions, queries)
+
 
 SCORERS: Dict[str, Type[Scorer]] = {}
 

@@ -33,6 +33,12 @@ class KVPScorer(Scorer):
     def score(self, kv: LayerKV) -> torch.Tensor:
         return self.policy.score_layer(kv.layer, kv.keys, kv.values, kv.positions)
 
+    @torch.no_grad()
+    def score_heads(self, layer, keys, values, positions, queries=None) -> torch.Tensor:
+        """Each head with its own positions [kv_heads, T], in one call (the policy has a scorer per
+        head and takes per-head positions)."""
+        return self.policy.score_layer(layer, keys, values, positions)
+
     def select_paged(self, layer, kv_cache, layout, block_tables, seq_lens, budgets, positions,
                      position_lengths, n_sink, n_recent):
         """The fused score + select kernel (Triton on CUDA tensors, its torch reference on CPU)."""

@@ -167,3 +167,43 @@ def test_preemption_and_recompute_with_mixed_budgets(engine):
     assert all(len(o.outputs[0].token_ids) == 80 for o in outs)
     assert pool.get_num_free_blocks() == free_before, "blocks leaked"
     assert not scheduler._kvp.reqs, "eviction state of finished requests was kept"
+
+
+@pytest.mark.parametrize("rule", ["kvp", "snapkv"])
+def test_long_generation_harness_replays_the_servers_compactions(engine, smollm2, rule):
+    """The harness's long-generation protocol (kvp_vllm.eval.longgen) claims to evict exactly as the
+    server does while decoding: fed the server's own greedy tokens, its replay compacts at the same
+    lengths and keeps the same positions per layer and head (KVP through the policy, SnapKV through
+    queries the replay captures itself), and every forced token is its own argmax (the replayed
+    caches predict what the server generated)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvp_vllm.eval.longgen import replay
+    from kvp_vllm.scorers import make_scorer
+    from kvp_vllm.serving.config import shipped_checkpoint
+    from kvp_vllm.serving.replay import record_compactions
+
+    model, tok = smollm2
+    ids = _prompt_ids(tok)
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True,
+                            extra_args={"kv_budget": BUDGET, "kv_rule": rule})
+    with record_compactions(engine) as history:
+        got = list(engine.generate([TokensPrompt(prompt_token_ids=ids)], params)[0].outputs[0].token_ids)
+    (record,) = history.values()
+    scorer = (make_scorer("kvp", checkpoint=str(shipped_checkpoint("SmolLM2-135M-Instruct")))
+              if rule == "kvp" else make_scorer(rule))
+    # the server fed got[:-1] (the last token was sampled, never fed)
+    rep = replay(model, ids, got[:-1], [scorer], BUDGET, interval=INTERVAL, block_size=BLOCK, record=True)
+    assert [length for length, _ in rep.history] == [length for length, _ in record]
+    assert len(record) >= 2, "no decode-time re-compaction: the check covers the prefill only"
+    for (length, ours), (_, theirs) in zip(rep.history, record):
+        ours = ours[:, 0].to(theirs.dtype)
+        assert ours.shape == theirs.shape
+        if rule == "kvp":
+            assert torch.equal(ours, theirs), f"kept positions differ at length {length}"
+        else:  # queries recomputed in fp32 by HF vs captured from vLLM: allow a rare near-tie swap
+            same = sum(len(set(a.tolist()) & set(b.tolist()))
+                       for a, b in zip(ours.flatten(0, 1), theirs.flatten(0, 1)))
+            assert same >= 0.995 * theirs.numel(), f"kept positions differ at length {length}"
+    assert all(rep.top1[0]), "the replayed caches do not predict the server's own tokens"
