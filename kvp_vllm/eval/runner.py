@@ -345,12 +345,20 @@ def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[D
     """`base` (every rule) plus the KVP rows of another policy from `other`, renamed to `label`.
 
     A folder holds one policy's KVP rows (rows of another are recomputed, never mixed), so comparing
-    two policies means evaluating the second in a folder of its own and merging here. Both folders
+    two policies means evaluating the second in a folder of its own and merging here."""
+    return merge_rows(base, other, {"kvp": label})
+
+
+def merge_rows(base: List[Dict], other: List[Dict], labels: Dict[str, str]) -> List[Dict]:
+    """`base` plus the rows of `other` whose rule is in `labels`, renamed to labels[rule] (another
+    policy's KVP rows, or the baselines of a --protect none folder beside a paper one). Both folders
     must have evaluated the same prompts: every full-cache row they share must agree (prompt length,
     greedy output, gold log-likelihood to 1e-4 relative), else RowMismatch. complete_rows() then keeps
     the samples that both folders have."""
-    if label in {r["rule"] for r in base}:
-        raise ValueError(f"label {label!r} is already a rule of the base rows")
+    taken = {r["rule"] for r in base}
+    for label in labels.values():
+        if label in taken:
+            raise ValueError(f"label {label!r} is already a rule of the base rows")
     full = {row_key(r): r for r in base if r["rule"] == FULL}
     shared = 0
     for r in other:
@@ -366,7 +374,7 @@ def merge_policy_rows(base: List[Dict], other: List[Dict], label: str) -> List[D
         shared += 1
     if not shared:
         raise RowMismatch("the folders share no sample (no full-cache row in common)")
-    return base + [{**r, "rule": label} for r in other if r["rule"] == "kvp"]
+    return base + [{**r, "rule": labels[r["rule"]]} for r in other if r["rule"] in labels]
 
 
 def complete_rows(rows: List[Dict]) -> List[Dict]:

@@ -1,0 +1,158 @@
+"""KVP beside the stronger of the two variants of each baseline (issue 16): never a handicapped one.
+
+Every baseline runs twice, in two kvp-eval folders on the same samples: `--protect paper` (4 sink + 16
+recent tokens always kept, the KVP paper's protocol) and `--protect none` (each rule's own choice, as
+kvpress runs them). Protection helps some rules (StreamingLLM-like recency) and costs others answers
+(K-Norm, KeyDiff, LagKV spend budget on tokens they would not keep). This report takes, for every
+baseline and every cell (length, protocol, budget), the better of its two variants, and marks which
+one it was; KVP is the shipped server's setting (`paper`). Both variants are also listed in full.
+
+  python benchmarks/stronger_variants.py --paper benchmarks/results/eval_smollm2_2k_faithful_protect_paper \\
+      --none benchmarks/results/eval_smollm2_2k_faithful_protect_none \\
+      --out benchmarks/results/eval_smollm2_2k_faithful_protect_paper/stronger
+
+Writes stronger.md and stronger.json. The folders must have evaluated the same prompts (their
+full-cache rows must agree); only the samples both folders have with every rule and budget count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvp_vllm.eval.runner import (FULL, RowMismatch, _budget_sort, aggregate, checkpoint_sha256,  # noqa: E402
+                                  complete_rows, current_rows, merge_rows, read_rows, stored_identity,
+                                  task_average, task_average_table)
+
+NONE_SUFFIX = "[protect=none]"
+
+
+def folder_rows(folder: Path, protect: str) -> List[Dict]:
+    ident = stored_identity(folder)
+    if ident is None or ident.get("protect") != protect:
+        raise SystemExit(f"stronger_variants: {folder} is not a --protect {protect} folder ({ident})")
+    res = json.loads((folder / "results.json").read_text())
+    sha = res["settings"].get("checkpoint_weights_sha256") or checkpoint_sha256(res["settings"].get("checkpoint"))
+    rows = current_rows(read_rows(folder / "rows.jsonl"), sha, protect)
+    if not rows:
+        raise SystemExit(f"stronger_variants: no rows in {folder}")
+    return rows
+
+
+def merged_rows(paper: List[Dict], none: List[Dict]) -> List[Dict]:
+    """The paper folder's rows plus the none folder's rule rows as `<rule>[protect=none]`."""
+    labels = {r["rule"]: r["rule"] + NONE_SUFFIX for r in none if r["rule"] != FULL}
+    return complete_rows(merge_rows(paper, none, labels))
+
+
+def stronger_cells(cells: List[Dict], metric: str, higher_is_better: bool = True,
+                   keep: Tuple[str, ...] = ("kvp",)) -> List[Dict]:
+    """Per (length, protocol[, task], budget): every rule in `keep` as it is, every other rule as the
+    better of `<rule>` and `<rule>[protect=none]` (the row gets `variant`: paper or none)."""
+    groups: Dict[Tuple, Dict[str, Dict]] = defaultdict(dict)
+    for c in cells:
+        if c.get(metric) is None:
+            continue
+        key = (c["length"], c["protocol"], c.get("task", ""), c["budget"])
+        groups[key][c["rule"]] = c
+    out = []
+    for key, by_rule in groups.items():
+        bases = {r[:-len(NONE_SUFFIX)] if r.endswith(NONE_SUFFIX) else r for r in by_rule}
+        for rule in sorted(bases):
+            if rule == FULL or rule in keep:
+                if rule in by_rule:
+                    out.append({**by_rule[rule], "variant": "paper" if rule != FULL else FULL})
+                continue
+            options = [(by_rule[name], variant) for name, variant in ((rule, "paper"), (rule + NONE_SUFFIX, "none"))
+                       if name in by_rule]
+            best, variant = max(options, key=lambda ov: ov[0][metric] if higher_is_better else -ov[0][metric])
+            out.append({**best, "rule": rule, "variant": variant})
+    return out
+
+
+def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, task: str = "",
+                   digits: int = 3, higher_is_better: bool = True) -> str:
+    """Markdown: one line per rule, one column per budget; a baseline's value is its stronger
+    variant, marked ᴺ when that was --protect none."""
+    sel = [c for c in cells if c["length"] == length and c["protocol"] == protocol and c.get("task", "") == task]
+    if not sel:
+        return ""
+    budgets = sorted({c["budget"] for c in sel if c["rule"] != FULL}, key=_budget_sort)
+    by_rule: Dict[str, Dict[str, Dict]] = defaultdict(dict)
+    for c in sel:
+        by_rule[c["rule"]][c["budget"]] = c
+    full = by_rule.pop(FULL, {}).get(FULL)
+    sign = 1 if higher_is_better else -1
+    order = sorted(by_rule, key=lambda r: -sign * sum(by_rule[r][b][metric] for b in budgets if b in by_rule[r]))
+    lines = ["| rule | " + " | ".join(f"b={b}" for b in budgets) + " | full |", "|" + "---|" * (len(budgets) + 2)]
+    for rule in order:
+        vals = []
+        for b in budgets:
+            c = by_rule[rule].get(b)
+            vals.append("" if c is None else f"{c[metric]:.{digits}f}" + ("ᴺ" if c["variant"] == "none" else ""))
+        lines.append(f"| {rule} | " + " | ".join(vals) + (f" | {full[metric]:.{digits}f} |" if full else " | |"))
+    return "\n".join(lines)
+
+
+def report(rows: List[Dict]) -> Tuple[str, Dict]:
+    avg = task_average(rows)
+    agg = aggregate(rows)
+    ppl = [a for a in agg if a["task"].startswith("ppl_")]
+    strong_acc = stronger_cells(avg, "accuracy")
+    strong_ppl = stronger_cells(ppl, "perplexity", higher_is_better=False)
+    lines = []
+    for length in sorted({r["length"] for r in rows}):
+        for protocol in sorted({r["protocol"] for r in rows}):
+            t = stronger_table(strong_acc, "accuracy", length, protocol)
+            if t:
+                n = next(a for a in avg if a["length"] == length and a["protocol"] == protocol)
+                lines.append(f"## task-averaged accuracy, {protocol}, {length} tokens: KVP vs each baseline's "
+                             f"stronger variant\n\n{n['tasks']} tasks, {n['samples']} samples; ᴺ = the "
+                             f"--protect none variant was the stronger\n\n{t}\n")
+        for task in sorted({a["task"] for a in ppl}):
+            t = stronger_table(strong_ppl, "perplexity", length, "query_aware", task, digits=2,
+                               higher_is_better=False)
+            if t:
+                lines.append(f"## {task} perplexity (lower is better), {length} tokens: KVP vs each baseline's "
+                             f"stronger variant\n\n{t}\n")
+    for length in sorted({r["length"] for r in rows}):
+        for protocol in sorted({r["protocol"] for r in rows}):
+            t = task_average_table(avg, protocol, length)
+            if t:
+                lines.append(f"## both variants: task-averaged accuracy, {protocol}, {length} tokens\n\n{t}\n")
+    return "\n".join(lines), {"task_average": avg, "stronger_accuracy": strong_acc,
+                              "stronger_perplexity": strong_ppl, "aggregate": agg}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paper", type=Path, required=True, help="kvp-eval folder run with --protect paper")
+    p.add_argument("--none", type=Path, required=True, help="kvp-eval folder run with --protect none")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        rows = merged_rows(folder_rows(args.paper, "paper"), folder_rows(args.none, "none"))
+    except (RowMismatch, ValueError) as e:
+        raise SystemExit(f"stronger_variants: {e}")
+    if not rows:
+        raise SystemExit("stronger_variants: the folders have no sample in common with every rule and budget")
+    text, data = report(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}")
+    (args.out / "stronger.md").write_text(f"# KVP vs the stronger variant of each baseline\n\nCommand: `{cmd}`\n\n"
+                                          + text)
+    (args.out / "stronger.json").write_text(json.dumps({"paper": str(args.paper), "none": str(args.none), **data},
+                                                       indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/stronger_variants.py: KVP beside the better of each baseline's two --protect variants."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvp_vllm.eval.runner import EvalConfig, run
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("stronger_variants", ROOT / "benchmarks" / "stronger_variants.py")
+SV = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(SV)
+
+
+def _cell(rule, budget, value, metric="accuracy"):
+    return {"length": 2048, "protocol": "query_aware", "rule": rule, "budget": budget, metric: value}
+
+
+def test_each_baseline_is_its_stronger_variant_and_kvp_stays_as_served():
+    cells = [_cell("kvp", "128", 0.40), _cell("kvp[protect=none]", "128", 0.45),
+             _cell("knorm", "128", 0.10), _cell("knorm[protect=none]", "128", 0.30),
+             _cell("streaming", "128", 0.20), _cell("streaming[protect=none]", "128", 0.05),
+             _cell("full", "full", 0.5)]
+    got = {c["rule"]: c for c in SV.stronger_cells(cells, "accuracy")}
+    assert (got["knorm"]["accuracy"], got["knorm"]["variant"]) == (0.30, "none")
+    assert (got["streaming"]["accuracy"], got["streaming"]["variant"]) == (0.20, "paper")
+    assert (got["kvp"]["accuracy"], got["kvp"]["variant"]) == (0.40, "paper")
+    assert "kvp[protect=none]" not in got
+    ppl = [_cell("tova", "128", 20.0, "perplexity"), _cell("tova[protect=none]", "128", 25.0, "perplexity")]
+    (t,) = SV.stronger_cells(ppl, "perplexity", higher_is_better=False)
+    assert (t["perplexity"], t["variant"]) == (20.0, "paper")
+    table = SV.stronger_table(SV.stronger_cells(cells, "accuracy"), "accuracy", 2048, "query_aware")
+    assert "| knorm | 0.300ᴺ | 0.500 |" in table and "| streaming | 0.200 | 0.500 |" in table
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvp_vllm.assets import smollm2_path
+
+    return AutoTokenizer.from_pretrained(smollm2_path(verify=False))
+
+
+@pytest.fixture(scope="module")
+def small_model(tokenizer):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
+    def cfg(protect, seed=0):
+        return EvalConfig(tasks=["niah_single_repeat", "ppl_essay"], lengths=[256], samples=1, budgets=[32],
+                          rules=["knorm", "streaming"], protocols=["query_aware"], protect=protect, seed=seed)
+
+    run(cfg("paper"), small_model, tokenizer, tmp_path / "paper", progress=False, plots=False)
+    run(cfg("none"), small_model, tokenizer, tmp_path / "none", progress=False, plots=False)
+    SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "stronger.md").read_text()
+    assert "stronger variant" in md and "knorm[protect=none]" in md and "ppl_essay perplexity" in md
+    with pytest.raises(SystemExit, match="not a --protect none folder"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "paper"), "--out", str(tmp_path)])
+    run(cfg("none", seed=1), small_model, tokenizer, tmp_path / "other", progress=False, plots=False)
+    with pytest.raises(SystemExit, match="no sample|different prompts"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "other"), "--out", str(tmp_path)])
