@@ -62,6 +62,15 @@ class PolicyConfig:
     pos_frequencies: int = 8   # sinusoid frequencies per log-position feature
     hidden_dim: int = 64
     depth: int = 2             # [Linear -> LayerNorm -> SiLU] blocks
+    #: which position features the policy reads: "both" (log position and log distance from the newest
+    #: token) or "distance" (distance only: a policy that cannot see absolute positions ranks recent
+    #: text the same at 8K as at 2K; the absolute features' weights are held at zero)
+    position_inputs: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.position_inputs not in POSITION_INPUTS:
+            raise ValueError(f"position_inputs must be one of {', '.join(POSITION_INPUTS)}; "
+                             f"got {self.position_inputs!r}")
 
     @classmethod
     def small(cls, shape: ModelShape, **overrides) -> "PolicyConfig":
@@ -82,6 +91,16 @@ class PolicyConfig:
     @property
     def num_position_features(self) -> int:
         return 2 + 2 * 2 * self.pos_frequencies
+
+
+POSITION_INPUTS = ("both", "distance")
+
+
+def absolute_position_features(frequencies: int) -> list:
+    """Indices, in :func:`position_features`' layout, of the features of the absolute position (the
+    rest describe the distance from the newest token): log, then sin and cos of each frequency."""
+    f = frequencies
+    return [0] + list(range(2, 2 + f)) + list(range(2 + 2 * f, 2 + 3 * f))
 
 
 def _shape_kwargs(shape: ModelShape) -> dict:
@@ -157,6 +176,18 @@ class KVPPolicy(nn.Module):
         self.hidden = nn.ModuleList(StackedLinear(g, a, b) for a, b in zip(widths[:-1], widths[1:]))
         self.hidden_norm = nn.ModuleList(StackedLayerNorm(g, c.hidden_dim) for _ in range(c.depth))
         self.out = StackedLinear(g, c.hidden_dim, 1)
+        mask = torch.ones(c.num_position_features)
+        if c.position_inputs == "distance":
+            mask[absolute_position_features(c.pos_frequencies)] = 0.0
+        self.register_buffer("position_mask", mask, persistent=False)
+        self.zero_unread_position_weights()
+
+    @torch.no_grad()
+    def zero_unread_position_weights(self) -> None:
+        """Zero the position-projection rows of features the config does not read. The features are
+        masked in forward, so these rows get no gradient and stay zero, and the fused kernels (which
+        compute every feature) multiply them by zero weights: the same scores."""
+        self.pos_proj.weight[:, self.position_mask == 0, :] = 0.0
 
     @property
     def num_groups(self) -> int:
@@ -170,7 +201,7 @@ class KVPPolicy(nn.Module):
         dtype = self.key_proj.weight.dtype
         if length is None:
             length = int(positions.max()) + 1 if positions.numel() else 0
-        pos = position_features(positions, length, self.config.pos_frequencies).to(dtype)
+        pos = (position_features(positions, length, self.config.pos_frequencies) * self.position_mask).to(dtype)
         if pos.dim() == 2:
             pos = pos.expand(keys.shape[0], -1, -1)
         k = self.key_norm(self.key_proj(keys.to(dtype), groups), groups)

@@ -123,3 +123,56 @@ def test_score_layer_checks_shapes():
         policy.score_layer(3, torch.zeros(2, 4, 16), torch.zeros(2, 4, 16), torch.arange(4))
     with pytest.raises(ValueError, match="policy expects"):
         policy.score_layer(0, torch.zeros(3, 4, 16), torch.zeros(3, 4, 16), torch.arange(4))
+
+
+def test_distance_only_policy_ignores_absolute_positions_and_the_kernel_path_agrees(tmp_path):
+    """position_inputs="distance": the scores depend on the distance from the newest token only (the
+    same cache shifted by 6,000 positions scores the same), the absolute features' weights stay zero
+    through training steps, so the fused kernels' torch reference (which computes every feature) gives
+    the policy's scores, and the setting round-trips through a checkpoint."""
+    from kvp_vllm.kernels import pack_layer
+    from kvp_vllm.kernels.score_select_ref import mlp_ref
+    from kvp_vllm.policy import absolute_position_features
+
+    policy = KVPPolicy.random_init(SHAPE, seed=3, position_inputs="distance")
+    keys, values = torch.randn(2, 50, 16), torch.randn(2, 50, 16)
+    pos = torch.arange(50)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.1)
+    policy.train()
+    for _ in range(3):
+        opt.zero_grad()
+        policy.score_layer(1, keys, values, pos * 7).square().mean().backward()
+        opt.step()
+    policy.eval()
+    rows = policy.pos_proj.weight[:, absolute_position_features(policy.config.pos_frequencies)]
+    assert rows.abs().max() == 0
+    with torch.no_grad():
+        near = policy.score_layer(1, keys, values, pos, 50)
+        far = policy.score_layer(1, keys, values, pos + 6000, 6050)
+        torch.testing.assert_close(near, far)
+        both = KVPPolicy.random_init(SHAPE, seed=3)
+        assert not torch.allclose(both.score_layer(1, keys, values, pos, 50),
+                                  both.score_layer(1, keys, values, pos + 6000, 6050))
+        got = mlp_ref(pack_layer(policy, 1), keys, values,
+                      position_features(pos[None] + 6000, 6050, policy.config.pos_frequencies))
+    torch.testing.assert_close(got, far, rtol=1e-4, atol=1e-4)
+    policy.save(tmp_path)
+    again = KVPPolicy.load(tmp_path)
+    assert again.config.position_inputs == "distance"
+    with pytest.raises(ValueError, match="position_inputs"):
+        PolicyConfig(num_layers=1, num_kv_heads=1, head_dim=8, position_inputs="absolute")
+
+
+def test_fine_tuning_can_switch_a_policy_to_distance_only():
+    from kvp_vllm.training.trainer import with_config
+
+    both = KVPPolicy.random_init(SHAPE, seed=4)
+    dist = with_config(both, {"position_inputs": "distance"})
+    assert dist.config.position_inputs == "distance"
+    torch.testing.assert_close(dist.key_proj.weight, both.key_proj.weight)
+    keys, values = torch.randn(2, 20, 16), torch.randn(2, 20, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(dist.score_layer(0, keys, values, torch.arange(20)),
+                                   dist.score_layer(0, keys, values, torch.arange(20) + 999))
+    with pytest.raises(ValueError, match="shape"):
+        with_config(both, {"hidden_dim": 8})

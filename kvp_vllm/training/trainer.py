@@ -97,6 +97,21 @@ class _Data:
         return d
 
 
+def with_config(policy: KVPPolicy, overrides: Dict) -> KVPPolicy:
+    """`policy` with config fields overridden (fine-tuning with --init and --arch): only settings
+    that keep every weight's shape (e.g. position_inputs); the weights carry over."""
+    config = PolicyConfig(**{**asdict(policy.config), **overrides})
+    new = KVPPolicy(config)
+    try:
+        new.load_state_dict(policy.state_dict(), strict=True)
+    except RuntimeError as e:
+        changed = sorted(k for k in overrides if k != "model_name")
+        raise ValueError(f"--arch {changed} changes the shape of the --init policy's weights; only "
+                         f"shape-preserving settings can change when fine-tuning: {e}") from e
+    new.zero_unread_position_weights()
+    return new.train(policy.training)
+
+
 def _dist_info():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -212,7 +227,7 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
         val_ids = val_ids[:cfg.val_traces]
     if cfg.init:
         policy = KVPPolicy.load(cfg.init, expect=shape)
-        policy.config = PolicyConfig(**{**asdict(policy.config), "model_name": shape.model_name})
+        policy = with_config(policy, {**cfg.arch, "model_name": shape.model_name})
     else:
         torch.manual_seed(cfg.seed)
         make = PolicyConfig.reference if cfg.reference else PolicyConfig.small
