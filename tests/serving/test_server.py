@@ -13,13 +13,14 @@ import random
 import openai
 import pytest
 
+from kvp_vllm.scorers import BASELINE_RULES
 from serving_helpers import BLOCK, MODEL_NAME, SERVER_BUDGET, SERVER_INTERVAL, SERVER_RULE, metric
 
 pytestmark = pytest.mark.timeout(600)
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
-NON_LEARNED_RULES = ("streaming", "knorm", "keydiff", "lagkv", "snapkv", "tova", "random")
+NON_LEARNED_RULES = BASELINE_RULES  # every servable rule but KVP, from the scorer registry
 
 
 def _client(server) -> openai.OpenAI:
@@ -150,7 +151,8 @@ def _needle_prompts(n=4, seed=0):
 
 
 def test_needle_recall_kvp_beats_streaming(server):
-    """With the shipped SmolLM2 policy (kvp_vllm/checkpoints/SmolLM2-135M-Instruct)."""
+    """With the shipped SmolLM2 policy (kvp_vllm/checkpoints/SmolLM2-135M-Instruct): README's claim
+    "KVP recalls the pass key 4/4, StreamingLLM 0/4 (full cache 4/4)" at budget 128."""
     budget = 128
     items = _needle_prompts()
 
@@ -168,6 +170,11 @@ def test_needle_recall_kvp_beats_streaming(server):
     print(f"needle recall out of {len(items)} at budget {budget}: {correct}")
     assert correct["none"] >= 3, correct  # the task is solvable with the full cache
     assert correct["kvp"] > correct["streaming"], correct
+    # KVP's own recall. Measured (fp32, this server): none 4, kvp 4, keydiff 2, knorm 1, tova 1,
+    # streaming/lagkv/snapkv/random 0 of 4; README claims 4/4. At least 3 of 4 (one miss of slack for
+    # fp32 batch-order drift): a policy that ranks like random (0/4), like the best baseline (2/4) or
+    # that evicts the needle fails here.
+    assert correct["kvp"] >= len(items) - 1, correct
 
 
 # -- prefix caching ---------------------------------------------------------------------------------
