@@ -119,6 +119,7 @@ def main(argv=None) -> int:
 
 def evaluate_cmd(args, command: str) -> None:
     from ..policy import KVPPolicy
+    from ..scorers import rule_definition
     from .collect import TraceSet
     from .evaluate import default_rules, evaluate_rules, markdown_table
 
@@ -132,7 +133,10 @@ def evaluate_cmd(args, command: str) -> None:
     if not ids:
         raise ValueError(f"split {args.split!r} of {traces.folder} has no traces"
                          + (f" of length {args.lengths}" if args.lengths else ""))
-    res = evaluate_rules(traces, ids, default_rules(policy), progress=not args.no_progress)
+    rules = default_rules(policy)
+    res = evaluate_rules(traces, ids, rules, progress=not args.no_progress)
+    # which definition of each rule these costs are (e.g. TOVA v2 = kvpress's, v1 = per KV group)
+    res.update(rule_definitions={r: rule_definition(r) for r in rules})
     res.update(model=traces.shape.model_name, split=args.split, checkpoint=args.checkpoint,
                traces_folder=str(traces.folder), command=command, lengths=args.lengths,
                prompt_tokens=[traces.meta(t)["n_prompt"] for t in ids],

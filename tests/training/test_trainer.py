@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvp_vllm.policy import CheckpointError, KVPPolicy, ModelShape
+from kvp_vllm.scorers import BASELINE_RULES, rule_definition
 from kvp_vllm.training import cli
 from kvp_vllm.training.collect import TraceSet
 from kvp_vllm.training.trainer import FitConfig, fit, parse_layers
@@ -93,7 +94,10 @@ def test_cli_evaluate_table(tiny_traces, tmp_path):
                      "--out", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
     assert res["overall"]["oracle"] == pytest.approx(1.0, abs=1e-5)
-    for rule in ("kvp", "streaming", "knorm", "keydiff", "lagkv", "random", "tova", "snapkv"):
+    # every rule of the scorer registry's baseline list, KVP and the oracle, each with its definition
+    assert set(res["overall"]) == {"kvp", "oracle", *BASELINE_RULES}
+    assert res["rule_definitions"] == {r: rule_definition(r) for r in res["overall"]}
+    for rule in ("kvp", *BASELINE_RULES):
         assert res["overall"][rule] >= 1.0 - 1e-6 and len(res["per_layer"][rule]) == 3
     assert "| kvp |" in out.with_suffix(".md").read_text()
     # --lengths keeps only the traces collected at those target lengths (the generalisation runs)
