@@ -36,11 +36,57 @@ def test_serving_benchmark_quick(tmp_path):
                    for r in run["per_request"])
     assert base["tokens_evicted"] == 0 and base["blocks_freed"] == 0
     assert ev["tokens_evicted"] > 0 and ev["blocks_freed"] > 0, "eviction freed nothing"
+    # README's memory win, in direction. Measured (quick mode, seed 0): prompts 473/556/482/377 tokens,
+    # pool 48 blocks; no eviction peaks at 3 requests decoding at once (42.9 blocks in use), KVP at
+    # budget 128 at 4 (22.5 blocks), 41 blocks freed.
+    bs, prompts = cfg["block_size"], [r["prompt_tokens"] for r in base["per_request"]]
+    assert base["failed"] == 0 and ev["failed"] == 0
+    assert prompts == [r["prompt_tokens"] for r in ev["per_request"]]  # the same burst on both servers
+    # the burst cannot be in flight at once without eviction, so the pool is what limits it ...
+    assert sum(-(-(n + cfg["output_tokens"]) // bs) for n in prompts) > cfg["pool_blocks"]
+    # ... every prefill's compaction gave back floor((L - b) / block) blocks (README) ...
+    assert ev["blocks_freed"] >= sum((n - cfg["budget"]) // bs for n in prompts), ev["blocks_freed"]
+    # ... and with KVP more requests ran concurrently on the same pool (client view: the sampled
+    # gauge can miss a burst this short) while fewer KV blocks were in use at the peak
+    assert ev["peak_decoding_client"] > base["peak_decoding_client"], (ev["peak_decoding_client"],
+                                                                       base["peak_decoding_client"])
+    assert ev["peak_blocks_used"] < base["peak_blocks_used"], (ev["peak_blocks_used"], base["peak_blocks_used"])
     assert ev["selection_seconds"] > 0 and ev["selection_share_of_prefill"] is not None
     for key in ("peak_running", "output_tokens_per_s", "ttft_p50"):
         expected = ev[key] / base[key] if base[key] else None
         assert report["ratios"][key] == (pytest.approx(expected) if expected is not None else None)
     assert "selection overhead" in proc.stdout and "peak_running" in proc.stdout
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_benchmark", ROOT / "benchmarks" / "serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "19"], "--budget must be at least 20 tokens"),  # selection.check_budget's words
+    (["--budget", "0"], "--budget must be at least 20 tokens"),
+    (["--rule", "oracle"], "invalid choice: 'oracle'"),           # the server's rules, from the registry
+    (["--requests", "0"], "--requests, --pool-blocks and --output-tokens must be >= 1"),
+])
+def test_serving_benchmark_refuses_what_the_server_would(tmp_path, capsys, argv, message):
+    """The benchmark validates --budget with the server's one validator (selection.check_budget) and
+    offers the server's rules (scorers.SERVABLE_RULES) before starting anything."""
+    import signal
+
+    bench = _benchmark_module()
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as err:
+            bench.main(["--quick", "--out", str(tmp_path / "out"), *argv])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert err.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_synthetic_model_folders(tmp_path):
