@@ -40,7 +40,7 @@ from selection_latency import K  # noqa: E402  (registers kvp_vllm.kernels when 
 
 from kvp_vllm.kernels.score_select import score_triton, select_triton  # noqa: E402
 from kvp_vllm.policy import KVPPolicy, ModelShape  # noqa: E402
-from kvp_vllm.selection import block_aligned_budget, select_topb  # noqa: E402
+from kvp_vllm.selection import DEFAULT_RECENT, DEFAULT_SINKS, block_aligned_budget, select_topb  # noqa: E402
 
 DEV = torch.device(os.environ.get("KVP_CHECK_DEVICE", "cuda"))
 DRY = DEV.type != "cuda"   # a dry run of this script on CPU under TRITON_INTERPRET=1: small sizes
@@ -80,7 +80,7 @@ def bits(t):
     return t.view(torch.int16)
 
 
-def top_byte_histogram(scores, n_sink=4, n_recent=16):
+def top_byte_histogram(scores, n_sink=DEFAULT_SINKS, n_recent=DEFAULT_RECENT):
     n = scores.shape[1]
     s = torch.where(scores == 0, torch.zeros_like(scores), scores)
     b = s.view(torch.int32).long()

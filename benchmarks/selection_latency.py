@@ -68,6 +68,7 @@ def import_kernels():
 
 K = import_kernels()
 from kvp_vllm.policy import KVPPolicy, ModelShape  # noqa: E402
+from kvp_vllm.selection import min_budget  # noqa: E402
 
 SHAPES = {
     "qwen2.5-7b": dict(model="Qwen2.5-7B", layers=28, kv_heads=4, head_dim=128, reference=True),
@@ -234,7 +235,7 @@ def moved_bytes(sel, lens, cache):
 
 def run_point(shape, length, batch, args, device, layout, block_size, dtype, paths, budget=None):
     lens = [length] * batch
-    budgets = [budget or max(20, length // 4)] * batch
+    budgets = [budget or max(min_budget(), length // 4)] * batch
     policy, cache, table = build(shape, lens, block_size, layout, dtype, device)
     c = policy.config
     s = SHAPES[shape]
@@ -351,7 +352,7 @@ def triton_alternatives(device, args, length=10240, block_size=16, extra=()):
     from kvp_vllm.kernels.compact import compact_launch, compact_prepare
     from kvp_vllm.kernels.score_select import score_triton, select_triton
 
-    budget = max(20, length // 4)
+    budget = max(min_budget(), length // 4)
     policy, cache, table = build("qwen2.5-7b", [length], block_size, "gpu", torch.bfloat16, device)
     lens_t = torch.tensor([length], dtype=torch.int32, device=device)
     counts_t = torch.tensor([budget], dtype=torch.int32, device=device)

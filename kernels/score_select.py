@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvp_vllm.selection import DEFAULT_RECENT, DEFAULT_SINKS
+
 from .paged import cache_geometry, int32_on
 from .score_select_ref import PAD, PackedLayer, Selection, _as_list, _next_pow2, aligned_counts
 
@@ -305,7 +307,7 @@ def score_triton(packed: PackedLayer, kv_cache: torch.Tensor, layout: str, block
                  out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
                  block_k: Optional[int] = None, num_warps: Optional[int] = None,
                  num_programs: Optional[int] = None, hist: Optional[torch.Tensor] = None,
-                 n_sink: int = 4, n_recent: int = 16) -> torch.Tensor:
+                 n_sink: int = DEFAULT_SINKS, n_recent: int = DEFAULT_RECENT) -> torch.Tensor:
     """Scores [B, H, max_len] fp32 of every cached token (positions past a request's length are not
     written). seq_lens int32 on the cache's device. With `hist` (a zeroed int32 [B, H, 256]) the
     kernel also accumulates the selection's first radix pass (protection by n_sink / n_recent)."""

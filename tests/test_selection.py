@@ -99,3 +99,33 @@ def test_gather_kept():
     x = torch.arange(24.0).reshape(2, 4, 3)
     kept = torch.tensor([[0, 2], [1, 3]])
     assert gather_kept(x, kept).tolist() == [[[0, 1, 2], [6, 7, 8]], [[15, 16, 17], [21, 22, 23]]]
+
+
+@pytest.mark.parametrize("protect", sorted(PROTECT_MODES))
+def test_every_consumer_takes_the_minimum_budget_from_here(protect):
+    """The harness CLI, the server (start-up flag and per-request field), the kernels and the harness's
+    fractional budgets all accept exactly min_budget(protect) and refuse one token less, through
+    check_budget: one rule, one place (issue 16)."""
+    from kvp_vllm.eval.cli import parse_budgets
+    from kvp_vllm.eval.protocol import resolve_budget
+    from kvp_vllm.kernels import aligned_counts
+    from kvp_vllm.serving.config import EvictionConfig, request_budget
+
+    n_sink, n_recent = protected_counts(protect)
+    low = min_budget(n_sink, n_recent)
+    cfg = EvictionConfig(rule="knorm", budget=low, n_sink=n_sink, n_recent=n_recent).validate()
+    assert cfg.min_budget == low and request_budget({"kv_budget": low}, cfg) == low
+    assert parse_budgets(str(low), protect) == [low]
+    assert aligned_counts([500], [low], 32, n_sink, n_recent) == [block_aligned_budget(500, low, 32)]
+    assert resolve_budget(0.01, 500, protect) == max(5, low)  # a small fraction is lifted to the minimum
+    if low - 1 < 1:
+        return  # 0 means "no eviction" (server) or is refused as non-positive (harness)
+    what = f"at least {low} tokens"
+    with pytest.raises(BudgetError, match=what):
+        EvictionConfig(rule="knorm", budget=low - 1, n_sink=n_sink, n_recent=n_recent).validate()
+    with pytest.raises(BudgetError, match=what):
+        request_budget({"kv_budget": low - 1}, cfg)
+    with pytest.raises(BudgetError, match=what):
+        parse_budgets(str(low - 1), protect)
+    with pytest.raises(BudgetError, match=what):
+        aligned_counts([500], [low - 1], 32, n_sink, n_recent)
