@@ -11,19 +11,59 @@ from typing import List, Optional
 
 import torch
 
-from .scorers import LayerKV
+from .scorers import LayerKV, Rope
+
+#: transformers RoPE types whose frequencies change with the sequence length (no fixed `Rope`).
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def _rope_of(rotary_emb, head_dim: int) -> Optional[Rope]:
+    """`Rope` of a transformers rotary-embedding module (its inv_freq and attention_scaling), or None
+    when it has no fixed frequencies (dynamic/longrope types) or rotates part of the head only."""
+    inv_freq = getattr(rotary_emb, "inv_freq", None)
+    rope_type = str(getattr(rotary_emb, "rope_type", "default"))
+    if inv_freq is None or any(t in rope_type for t in _DYNAMIC_ROPE_TYPES) or 2 * inv_freq.numel() != head_dim:
+        return None
+    return Rope(inv_freq.detach().float().cpu().clone(), float(getattr(rotary_emb, "attention_scaling", 1.0)))
+
+
+def hf_rope(model) -> Optional[Rope]:
+    """The rotary embedding of a loaded Llama/Qwen2/Mistral-style Hugging Face model
+    (`model.model.rotary_emb`), as a `Rope`; None if the model has none in that form."""
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    layers = getattr(inner, "layers", None)
+    if rotary is None or not layers:
+        return None
+    return _rope_of(rotary, int(layers[0].self_attn.head_dim))
+
+
+def config_rope(model_path) -> Optional[Rope]:
+    """The rotary embedding of a Hugging Face model folder, from its config alone (no weights: the
+    model's own rotary-embedding class is built from the config); None if that fails."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        rotary = type(skeleton.model.rotary_emb)(config)
+        return _rope_of(rotary, int(skeleton.model.layers[0].self_attn.head_dim))
+    except Exception:  # noqa: BLE001 - a folder that is gone or of another kind: no RoPE
+        return None
 
 
 @dataclass
 class Capture:
     """What one forward pass left behind. keys/values[l]: [kv_heads, T, d]; queries[l]: [q_heads, W, d]
-    for the captured tokens (the last W of the forward, or none)."""
+    for the captured tokens (the last W of the forward, or none); rope: the model's rotary embedding."""
 
     cache: object
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
     queries: List[Optional[torch.Tensor]] = field(default_factory=list)
     logits: Optional[torch.Tensor] = None  # [1, 1, V]: the last input token's only
+    rope: Optional[Rope] = None
 
     def layer_kv(self, layer: int, positions: Optional[torch.Tensor] = None,
                  future_importance: Optional[torch.Tensor] = None) -> LayerKV:
@@ -32,7 +72,7 @@ class Capture:
             positions = torch.arange(t, device=self.keys[layer].device)
         return LayerKV(keys=self.keys[layer], values=self.values[layer], positions=positions,
                        queries=self.queries[layer] if self.queries else None,
-                       future_importance=future_importance, layer=layer)
+                       future_importance=future_importance, layer=layer, rope=self.rope)
 
 
 def attention_modules(model) -> list:
@@ -95,7 +135,7 @@ def forward_capture(model, input_ids: torch.Tensor, cache=None, query_last: int 
     keys = [layer.keys[row] for layer in out.past_key_values.layers]
     values = [layer.values[row] for layer in out.past_key_values.layers]
     return Capture(cache=out.past_key_values, keys=keys, values=values, queries=queries,
-                   logits=out.logits)
+                   logits=out.logits, rope=hf_rope(model))
 
 
 def compact_cache(keys: List[torch.Tensor], values: List[torch.Tensor], kept: List[torch.Tensor]):

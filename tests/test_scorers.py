@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvp_vllm.policy import KVPPolicy, ModelShape
-from kvp_vllm.scorers import SCORERS, LayerKV, make_scorer
+from kvp_vllm.scorers import SCORERS, LayerKV, Rope, make_scorer
 from kvp_vllm.selection import select_topb
 
 
@@ -17,16 +17,22 @@ def build(name, kv_heads, head_dim, layers=2):
     return make_scorer(name)
 
 
+def default_rope(d, theta=10000.0):
+    return Rope(1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
 def random_kv(kv_heads, group, t, d, dtype, seed=0, layer=1, window=64):
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     return LayerKV(keys=rnd(kv_heads, t, d), values=rnd(kv_heads, t, d), positions=torch.arange(t),
                    queries=rnd(kv_heads * group, min(window, t), d),
-                   future_importance=torch.rand(kv_heads, t, generator=g), layer=layer)
+                   future_importance=torch.rand(kv_heads, t, generator=g), layer=layer,
+                   rope=default_rope(d), reconstruction=torch.rand(kv_heads, t, generator=g))
 
 
 def test_registry_has_every_rule():
-    assert set(SCORERS) == {"kvp", "streaming", "tova", "snapkv", "lagkv", "keydiff", "knorm", "random", "oracle"}
+    assert set(SCORERS) == {"kvp", "streaming", "tova", "snapkv", "lagkv", "keydiff", "knorm", "random", "oracle",
+                            "expected_attention", "kvzip"}
     with pytest.raises(ValueError, match="unknown eviction rule 'h2o'"):
         make_scorer("h2o")
 
@@ -354,3 +360,166 @@ def test_layerkv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="not a multiple"):
         LayerKV(keys=torch.zeros(2, 5, 4), values=torch.zeros(2, 5, 4), positions=torch.arange(5),
                 queries=torch.zeros(3, 2, 4))
+
+
+# --- Expected Attention: kvpress 0.5 ExpectedAttentionPress (v0.5.4,
+# kvpress/presses/expected_attention_press.py; get_prerope_query_states from kvpress/utils.py), transcribed
+# line by line. `module` is a Llama attention stand-in: config, head_dim, q_proj and the model's
+# rotary_emb (kvpress sets `layer.self_attn.rotary_emb = model.model.rotary_emb`).
+
+def kvpress_expected_attention(module, hidden_states, keys, values, n_future_positions=512, n_sink=4,
+                               use_covariance=True, use_vnorm=True, epsilon=0.0):
+    # ExpectedAttentionPress.score
+    assert keys.size(2) > n_sink
+    keys = keys[:, :, n_sink:]
+    values = values[:, :, n_sink:]
+    # get_query_statistics
+    q_len = hidden_states.shape[1]
+    h = hidden_states[:, n_sink:]
+    bsz, hq_len, _ = h.shape  # get_prerope_query_states (Llama-like)
+    query_states = module.q_proj(h).view(bsz, hq_len, module.config.num_attention_heads,
+                                         module.head_dim).transpose(1, 2)
+    mu = query_states.mean(dim=2, keepdim=True)
+    cov = None
+    if use_covariance:
+        centered_states = query_states - mu
+        cov = torch.einsum("bnsi,bnsj->bnij", centered_states, centered_states) / h.shape[1]
+    mu = mu.squeeze(2)
+    # apply_avg_rope
+    position_ids = torch.arange(q_len, q_len + n_future_positions).unsqueeze(0)
+    head_dim = module.head_dim
+    cos, sin = module.rotary_emb(mu, position_ids)
+    cos, sin = cos[0], sin[0]
+    Id = torch.eye(head_dim, dtype=cos.dtype)
+    P = torch.zeros((head_dim, head_dim), dtype=cos.dtype)
+    P[head_dim // 2:, : head_dim // 2], P[: head_dim // 2, head_dim // 2:] = torch.eye(head_dim // 2), -torch.eye(
+        head_dim // 2)
+    R = cos.unsqueeze(1) * Id + sin.unsqueeze(1) * P
+    R = R.mean(dim=0)
+    mean_query = torch.matmul(mu, R.T)
+    cov_query = torch.matmul(R, torch.matmul(cov, R.T)) if cov is not None else None
+    # score (continued)
+    bsz, num_key_value_heads, q_len, d = keys.shape
+    num_key_value_groups = module.config.num_attention_heads // num_key_value_heads
+    keys = _kvpress_repeat_kv(keys, num_key_value_groups).transpose(2, 3)
+    scores = torch.matmul(mean_query.unsqueeze(2), keys).squeeze(2) / math.sqrt(d)
+    if use_covariance:
+        scores += torch.einsum("bhin, bhij, bhjn->bhn", keys, cov_query, keys) / d / 2
+    scores = F.softmax(scores, dim=-1)
+    scores = scores.view(bsz, num_key_value_heads, num_key_value_groups, q_len)
+    scores = scores.mean(dim=2)
+    if use_vnorm:
+        scores = (scores + epsilon) * values.norm(dim=-1)
+    scores = F.pad(scores, (n_sink, 0), value=scores.max().item() + 1)
+    return scores
+
+
+def _ea_case(t, kv_heads=2, group=3, d=16, rope_parameters=None, seed=0):
+    """A random Llama attention stand-in, hidden states and cache; our LayerKV holds the post-RoPE
+    queries of every token (transformers' own rotary embedding and apply_rotary_pos_emb)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from kvp_vllm.capture import _rope_of
+
+    hq = kv_heads * group
+    cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=kv_heads, head_dim=d,
+                      max_position_embeddings=4096,
+                      rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    g = torch.Generator().manual_seed(seed)
+    module = SimpleNamespace(config=cfg, head_dim=d, rotary_emb=LlamaRotaryEmbedding(cfg),
+                             q_proj=torch.nn.Linear(hq * d, hq * d, bias=False))
+    with torch.no_grad():
+        module.q_proj.weight.copy_(torch.randn(hq * d, hq * d, generator=g) / (hq * d) ** 0.5)
+        hidden = torch.randn(1, t, hq * d, generator=g)
+        keys, values = torch.randn(1, kv_heads, t, d, generator=g), torch.randn(1, kv_heads, t, d, generator=g)
+        q = module.q_proj(hidden).view(1, t, hq, d).transpose(1, 2)
+        cos, sin = module.rotary_emb(q, torch.arange(t)[None])
+        q_post, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    kv = LayerKV(keys=keys[0], values=values[0], positions=torch.arange(t), queries=q_post[0],
+                 rope=_rope_of(module.rotary_emb, d))
+    return module, hidden, keys, values, kv
+
+
+@pytest.mark.parametrize("t", [5, 40, 300])
+@pytest.mark.parametrize("options", [{}, {"use_covariance": False}, {"use_vnorm": False},
+                                     {"n_future_positions": 16, "n_sink": 0, "epsilon": 0.01}])
+def test_expected_attention_matches_kvpress(t, options):
+    module, hidden, keys, values, kv = _ea_case(t)
+    with torch.no_grad():
+        ref = kvpress_expected_attention(module, hidden, keys, values, **options)[0]
+    got = make_scorer("expected_attention", **options).score(kv)
+    assert got.shape == ref.shape == (2, t)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), (got - ref).abs().max()
+    sinks = options.get("n_sink", 4)  # they tie at max + 1: kvpress's topk breaks the tie its own way
+    for n in (t // 3, t // 2, t - 1):
+        if n >= max(sinks, 1):
+            assert torch.equal(_keep(got, n), kvpress_kept(ref, n)), n
+
+
+def test_expected_attention_with_a_scaled_rope_matches_kvpress():
+    """YaRN: transformers scales cos/sin by attention_scaling != 1; un-rotating divides it out and the
+    mean rotation keeps it, as kvpress's `module.rotary_emb` output does."""
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
+    module, hidden, keys, values, kv = _ea_case(60, rope_parameters=params, seed=3)
+    assert kv.rope.attention_scaling != 1.0
+    with torch.no_grad():
+        ref = kvpress_expected_attention(module, hidden, keys, values)[0]
+    got = make_scorer("expected_attention").score(kv)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), (got - ref).abs().max()
+
+
+def test_expected_attention_window_and_later_positions():
+    """window=W uses the last W queries only; future positions start after the newest cached token
+    (a compacted cache keeps logical positions)."""
+    module, hidden, keys, values, kv = _ea_case(50, seed=5)
+    w = 20
+    with torch.no_grad():  # kvpress on the last W tokens' statistics = sinks dropped from nothing
+        ref_stats = make_scorer("expected_attention", window=w).query_statistics(kv)
+        q = module.q_proj(hidden[0, -w:]).view(w, 6, 16).transpose(0, 1)
+    mu = q.mean(1)
+    future = kv.rope.mean_rotation(torch.arange(50, 50 + 512))
+    assert torch.allclose(ref_stats[0], mu @ future.T, atol=1e-5)
+    # a compacted cache: positions 0..3 then 30..49; the statistics rotate to positions 50..561 still
+    keep = torch.cat([torch.arange(4), torch.arange(30, 50)])
+    small = LayerKV(keys=kv.keys[:, keep], values=kv.values[:, keep], positions=keep,
+                    queries=kv.queries[:, 30:], rope=kv.rope)
+    mu_small = make_scorer("expected_attention").query_statistics(small)[0]
+    q20 = module.q_proj(hidden[0, 30:]).view(20, 6, 16).transpose(0, 1).detach()
+    assert torch.allclose(mu_small, q20.mean(1) @ future.T, atol=1e-5)
+
+
+def test_expected_attention_needs_rope_and_queries():
+    kv = random_kv(2, 2, 30, 8, torch.float32)
+    kv.rope = None
+    with pytest.raises(ValueError, match="rotary embedding"):
+        make_scorer("expected_attention").score(kv)
+    kv = random_kv(2, 2, 30, 8, torch.float32)
+    kv.queries = None
+    with pytest.raises(ValueError, match="needs the last queries"):
+        make_scorer("expected_attention").score(kv)
+    assert torch.equal(make_scorer("expected_attention").score(random_kv(1, 1, 4, 8, torch.float32)),
+                       torch.ones(1, 4)), "a cache of n_sink tokens is kept whole"
+    from kvp_vllm.scorers import ALL_QUERIES
+    assert make_scorer("expected_attention").query_window == ALL_QUERIES
+    assert make_scorer("expected_attention", window=32).query_window == 32
+
+
+def test_rope_unrotate_inverts_rotate():
+    rope = Rope(default_rope(16).inv_freq, attention_scaling=1.3)
+    x, pos = torch.randn(3, 7, 16), torch.tensor([0, 5, 9, 100, 4000, 8191, 2])
+    assert torch.allclose(rope.unrotate(rope.rotate(x, pos), pos), x, atol=1e-5)
+    r = rope.mean_rotation(pos[1:2])
+    assert torch.allclose(x[:, 1] @ r.T, rope.rotate(x[:, 1:2], pos[1:2])[:, 0], atol=1e-5)
+
+
+def test_kvzip_ranks_by_the_reconstruction_attention_and_needs_it():
+    kv = random_kv(2, 1, 30, 8, torch.float32)
+    assert torch.equal(make_scorer("kvzip").score(kv), kv.reconstruction)
+    kv.reconstruction = None
+    with pytest.raises(ValueError, match="reconstruction"):
+        make_scorer("kvzip").score(kv)
+    from kvp_vllm.scorers import BASELINE_RULES, SERVABLE_RULES
+    assert "kvzip" not in SERVABLE_RULES and "expected_attention" in BASELINE_RULES

@@ -18,6 +18,70 @@ from typing import Callable, ClassVar, Dict, Optional, Tuple, Type
 
 import torch
 
+#: `Scorer.query_window` of a rule that reads the queries of every cached token (Expected Attention):
+#: the server and the harness capture them all (the last W with W >= the cache length).
+ALL_QUERIES = 1 << 30
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: (x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@dataclass
+class Rope:
+    """The model's rotary position embedding, in the form Llama/Qwen2/Mistral apply it (transformers'
+    `apply_rotary_pos_emb` with `rotate_half`, vLLM's neox style): a query or key at position p is
+    rotated pairwise (i, i + d/2) by angle p * inv_freq[i] and scaled by `attention_scaling`
+    (transformers multiplies cos and sin by it; 1.0 but for YaRN-like types).
+
+    inv_freq: [head_dim / 2] fp32 inverse frequencies (after any static scaling: linear, llama3, yarn).
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.inv_freq.dim() != 1 or not self.inv_freq.numel():
+            raise ValueError(f"inv_freq must be [head_dim / 2]; got {tuple(self.inv_freq.shape)}")
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [P, head_dim] at the given positions, as transformers' rotary embedding
+        computes them (`freqs = position * inv_freq`, `emb = cat(freqs, freqs)`, times the scaling)."""
+        inv = self.inv_freq.to(device=positions.device, dtype=torch.float32)
+        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., P, head_dim] pre-RoPE -> post-RoPE (fp32)."""
+        cos, sin = self.cos_sin(positions)
+        x = x.float()
+        return x * cos + _rotate_half(x) * sin
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., P, head_dim] post-RoPE -> pre-RoPE (fp32): the inverse of `rotate` (each pair is
+        rotated by an orthogonal 2x2 matrix times the scaling)."""
+        cos, sin = self.cos_sin(positions)
+        x = x.float()
+        return (x * cos - _rotate_half(x) * sin) / self.attention_scaling ** 2
+
+    def mean_rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotation matrix R(p) = diag(cos_p) + diag(sin_p) P (P: rotate_half as a matrix), so that
+        R(p) @ q = rotate(q, p), averaged over the given positions: [head_dim, head_dim] fp32."""
+        cos, sin = self.cos_sin(positions)
+        d = self.head_dim
+        eye = torch.eye(d, dtype=torch.float32, device=cos.device)
+        p = torch.zeros(d, d, dtype=torch.float32, device=cos.device)
+        p[d // 2:, :d // 2] = torch.eye(d // 2)
+        p[:d // 2, d // 2:] = -torch.eye(d // 2)
+        return (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * p).mean(dim=0)  # as kvpress builds it
+
 
 @dataclass
 class LayerKV:
@@ -30,6 +94,10 @@ class LayerKV:
                   (GQA: query head h belongs to KV head h // (q_heads // kv_heads)).
     future_importance: [kv_heads, T] the true future attention mass c_i (oracle only).
     layer:        the layer index (the learned policy has one scorer per layer and head).
+    rope:         the model's rotary embedding (`Rope`), for rules that undo or anticipate RoPE
+                  (Expected Attention); filled by the harness, the server and the trainer's evaluation.
+    reconstruction: [kv_heads, T] KVzip's importance: the maximum attention each token receives while
+                  the model reconstructs the context (evaluation only, from a second forward pass).
     """
 
     keys: torch.Tensor
@@ -38,6 +106,8 @@ class LayerKV:
     queries: Optional[torch.Tensor] = None
     future_importance: Optional[torch.Tensor] = None
     layer: int = 0
+    rope: Optional[Rope] = None
+    reconstruction: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3 or self.values.shape != self.keys.shape:
@@ -60,6 +130,9 @@ class LayerKV:
                     f"{self.queries.shape[0]} query heads is not a multiple of "
                     f"{self.keys.shape[0]} KV heads"
                 )
+        if self.rope is not None and self.rope.head_dim != self.keys.shape[-1]:
+            raise ValueError(f"the rotary embedding rotates {self.rope.head_dim} dimensions, the keys have "
+                             f"{self.keys.shape[-1]} (partial rotary embeddings are not supported)")
 
     @property
     def num_kv_heads(self) -> int:
@@ -132,7 +205,7 @@ class Scorer:
         return ",".join([self.default_definition(), *opts])
 
     def score_heads(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                    queries: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    queries: Optional[torch.Tensor] = None, rope: Optional[Rope] = None) -> torch.Tensor:
         """Scores [kv_heads, T] when each head holds its own tokens (positions [kv_heads, T]): by
         default head by head, each with its GQA group of queries. A rule that scores heads apart
         anyway (KVP) overrides it with one call."""
@@ -142,7 +215,7 @@ class Scorer:
         for h in range(h_kv):
             qh = None if queries is None else queries[h * g:(h + 1) * g]
             out.append(self.score(LayerKV(keys[h:h + 1], values[h:h + 1], positions[h].contiguous(), qh,
-                                          layer=layer)))
+                                          layer=layer, rope=rope)))
         return torch.cat(out, dim=0)
 
     def select_paged(self, layer: int, kv_cache: torch.Tensor, layout: str, block_tables: torch.Tensor,
@@ -157,16 +230,17 @@ class Scorer:
 
 def score_held(scorer: Scorer, layer: int, keys: torch.Tensor, values: torch.Tensor,
                positions: torch.Tensor, queries: Optional[torch.Tensor] = None,
-               heads_differ: bool = False) -> torch.Tensor:
+               heads_differ: bool = False, rope: Optional[Rope] = None) -> torch.Tensor:
     """Scores [kv_heads, T] of the tokens a (possibly already compacted) cache holds, as the server
     scores them at a compaction. keys/values [H, T, d]; positions [H, T] logical positions each head
     holds; queries [q_heads, W, d] or None. When `heads_differ` (an earlier compaction kept a different
     set per head) each head is scored on its own, with its own positions and GQA group of queries;
-    otherwise (and always for a rule that keeps one set for every head) all heads at once.
+    otherwise (and always for a rule that keeps one set for every head) all heads at once. `rope`: the
+    model's rotary embedding (Expected Attention needs it).
     Shared by the server (worker) and the harness's long-generation replay."""
     if not heads_differ or scorer.one_set_for_all_heads:  # every head holds the same tokens
-        return scorer.score(LayerKV(keys, values, positions[0].contiguous(), queries, layer=layer))
-    return scorer.score_heads(layer, keys, values, positions, queries)
+        return scorer.score(LayerKV(keys, values, positions[0].contiguous(), queries, layer=layer, rope=rope))
+    return scorer.score_heads(layer, keys, values, positions, queries, rope=rope)
 
 
 SCORERS: Dict[str, Type[Scorer]] = {}

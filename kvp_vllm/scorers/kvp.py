@@ -34,7 +34,7 @@ class KVPScorer(Scorer):
         return self.policy.score_layer(kv.layer, kv.keys, kv.values, kv.positions)
 
     @torch.no_grad()
-    def score_heads(self, layer, keys, values, positions, queries=None) -> torch.Tensor:
+    def score_heads(self, layer, keys, values, positions, queries=None, rope=None) -> torch.Tensor:
         """Each head with its own positions [kv_heads, T], in one call (the policy has a scorer per
         head and takes per-head positions)."""
         return self.policy.score_layer(layer, keys, values, positions)
