@@ -35,7 +35,8 @@ def test_future_importance_matches_explicit_attention():
 
 
 def traces(model, n_prompt=90, n_answer=12, samples=3):
-    """(prompt capture, importance per layer) from the model's own continuation of random prompts."""
+    """(prompt capture, importance per layer, prompt ids) from the model's own continuation of random
+    prompts."""
     out = []
     for s in range(samples):
         g = torch.Generator().manual_seed(s)
@@ -44,16 +45,22 @@ def traces(model, n_prompt=90, n_answer=12, samples=3):
         full = forward_capture(model, torch.cat([ids, answer], 1), query_last=n_answer)
         prompt = forward_capture(model, ids, query_last=64)
         imp = [future_importance(full.queries[l], full.keys[l], n_prompt) for l in range(len(full.keys))]
-        out.append((prompt, imp))
+        out.append((prompt, imp, ids[0].tolist()))
     return out
 
 
 def test_oracle_has_minimal_cost_among_all_rules():
+    from kvp_vllm.eval.protocol import KVzipPrompts, kvzip_reconstruction
+
     model = tiny_model("tiny-llama")
     policy = KVPPolicy.random_init(ModelShape.from_hf_config(model.config), seed=0)
-    for prompt, imp in traces(model):
+    prompts = KVzipPrompts(prefix_length=0, suffix_ids=[7], first_ids=[11, 12, 13], next_ids=[21, 22])
+    for prompt, imp, ids in traces(model):
+        # KVzip's reconstruction pass (no chat template: the whole prompt is reconstructed)
+        recon, _ = kvzip_reconstruction(model, prompt.keys, prompt.values, ids, prompts)
         for layer in range(len(imp)):
             kv = prompt.layer_kv(layer, future_importance=imp[layer])
+            kv.reconstruction = recon[layer]
             costs = {}
             for name in SCORERS:
                 scorer = make_scorer(name, policy=policy) if name == "kvp" else make_scorer(name)

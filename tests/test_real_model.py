@@ -7,6 +7,7 @@ import torch
 
 from kvp_vllm import assets, demo
 from kvp_vllm.capture import forward_capture
+from kvp_vllm.eval.protocol import KVzipPrompts, kvzip_reconstruction
 from kvp_vllm.importance import future_importance, normalised_cost
 from kvp_vllm.policy import KVPPolicy, ModelShape
 from kvp_vllm.scorers import SCORERS, make_scorer
@@ -59,10 +60,14 @@ def test_every_rule_on_smollm2_prefill(smollm2):
     answer = model.generate(ids, max_new_tokens=6, do_sample=False)[0, n:].tolist()
     full = forward_capture(model, torch.cat([ids, torch.tensor([answer])], 1), query_last=len(answer))
     policy = KVPPolicy.random_init(ModelShape.from_hf_config(model.config), seed=0)
+    # KVzip's context-reconstruction pass over the prompt (the chat template's head is not reconstructed)
+    recon, fed = kvzip_reconstruction(model, cap.keys, cap.values, ids[0].tolist(), KVzipPrompts.for_tokenizer(tok))
+    assert fed > n - KVzipPrompts.for_tokenizer(tok).prefix_length
     budget = 96
     for layer in (0, 14, 29):
         imp = future_importance(full.queries[layer], full.keys[layer], n)
         kv = cap.layer_kv(layer, future_importance=imp)
+        kv.reconstruction = recon[layer]
         costs = {}
         for name in SCORERS:
             scorer = make_scorer(name, policy=policy) if name == "kvp" else make_scorer(name)

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..capture import forward_capture
+from ..capture import forward_capture, hf_rope
 from ..importance import future_importance
-from ..scorers import LayerKV, Scorer
+from ..scorers import ALL_QUERIES, LayerKV, Rope, Scorer
 from ..selection import DEFAULT_PROTECT, gather_kept, min_budget, protected_counts, select_topb
 
 PROTOCOLS = ("query_aware", "query_agnostic")
@@ -124,7 +124,9 @@ def resolve_budget(budget: Budget, cache_len: int, protect: str = DEFAULT_PROTEC
 @dataclass
 class Prefill:
     """The one prefill of a sample. keys/values[l]: [H, n-1, d] (prompt without its last token);
-    q_aware[l]: queries of the last W of those n-1 tokens; q_context[l]: of the last W context tokens."""
+    q_aware[l]: queries of the last C of those n-1 tokens; q_context[l]: of the last C context tokens,
+    C >= `window` (a rule reading every query, Expected Attention, has them all captured); a rule gets
+    the last max(window, its query_window) of them. rope: the model's rotary embedding."""
 
     ids: torch.Tensor  # [n] the full prompt
     n_context: int
@@ -132,6 +134,8 @@ class Prefill:
     values: List[torch.Tensor]
     q_aware: List[torch.Tensor]
     q_context: List[torch.Tensor]
+    window: int = 64
+    rope: Optional[Rope] = None
 
     @property
     def n(self) -> int:
@@ -144,11 +148,17 @@ class Prefill:
         """Tokens fed after compression."""
         return self.ids[self.cache_len(protocol):]
 
-    def layer_kv(self, layer: int, protocol: str, future: Optional[torch.Tensor] = None) -> LayerKV:
+    def layer_kv(self, layer: int, protocol: str, future: Optional[torch.Tensor] = None,
+                 window: Optional[int] = None, reconstruction: Optional[torch.Tensor] = None) -> LayerKV:
+        """The cache a rule scores under `protocol`, with the last `window` (default: the prefill's)
+        queries, the oracle's future attention and KVzip's reconstruction attention when given."""
         t = self.cache_len(protocol)
         q = self.q_aware[layer] if protocol == "query_aware" else self.q_context[layer]
+        w = self.window if window is None else window
+        q = q[:, max(q.shape[1] - w, 0):]
         return LayerKV(keys=self.keys[layer][:, :t], values=self.values[layer][:, :t],
-                       positions=torch.arange(t), queries=q, future_importance=future, layer=layer)
+                       positions=torch.arange(t), queries=q, future_importance=future, layer=layer,
+                       rope=self.rope, reconstruction=reconstruction)
 
     def full_cache(self, protocol: str, batch: int = 1):
         t = self.cache_len(protocol)
@@ -157,27 +167,38 @@ class Prefill:
                        for k, v in zip(self.keys, self.values)])
 
 
+def capture_window(window: int, scorers: Sequence[Scorer] = ()) -> int:
+    """Queries the prefill captures: the harness window, or more for a rule reading more (Expected
+    Attention reads every cached token's query: `ALL_QUERIES`)."""
+    return max([window] + [s.query_window for s in scorers if s.needs_queries])
+
+
 @torch.no_grad()
-def prefill(model, prompt_ids: Sequence[int], n_context: int, window: int = 64) -> Prefill:
-    """Prefill prompt[:-1] in two chunks (context, rest) capturing the last `window` queries of each."""
+def prefill(model, prompt_ids: Sequence[int], n_context: int, window: int = 64,
+            capture: Optional[int] = None) -> Prefill:
+    """Prefill prompt[:-1] in two chunks (context, rest) capturing the last `capture` (default
+    `window`) queries of each; rules get the last `window` unless they read more."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
     n = ids.shape[0]
     if not 1 <= n_context <= n - 1:
         raise ValueError(f"the context ({n_context} tokens) must leave at least one prompt token "
                          f"after it (prompt of {n})")
-    cap1 = forward_capture(model, ids[None, :n_context], query_last=window)
+    capture = max(window, capture or 0)
+    cap1 = forward_capture(model, ids[None, :n_context], query_last=capture)
     q_context = list(cap1.queries)
     if n - 1 > n_context:
-        cap2 = forward_capture(model, ids[None, n_context:n - 1], cache=cap1.cache, query_last=window,
+        cap2 = forward_capture(model, ids[None, n_context:n - 1], cache=cap1.cache, query_last=capture,
                                position_ids=torch.arange(n_context, n - 1)[None])
         keys, values = cap2.keys, cap2.values
-        q_aware = [torch.cat([a, b], dim=1)[:, -window:] for a, b in zip(q_context, cap2.queries)]
+        q_aware = [torch.cat([a, b], dim=1)[:, -capture:] for a, b in zip(q_context, cap2.queries)]
+        if capture >= n - 1:  # every query captured: the context's are a prefix (one copy in memory)
+            q_context = [q[:, :n_context] for q in q_aware]
     else:
         keys, values, q_aware = cap1.keys, cap1.values, q_context
     keys = [k.clone() for k in keys]
     values = [v.clone() for v in values]
     return Prefill(ids=ids, n_context=n_context, keys=keys, values=values, q_aware=q_aware,
-                   q_context=q_context)
+                   q_context=q_context, window=window, rope=hf_rope(model))
 
 
 def _eos_ids(model, extra: Sequence[int] = ()) -> set:
@@ -237,10 +258,110 @@ def oracle_importance(model, pre: Prefill, future_ids: Sequence[int]) -> Dict[st
     return out
 
 
+#: kvpress 0.5 KVzipPress.prepare: the reconstruction prompt of the first chunk, and of the next ones
+#: (followed by the previous chunk's last prev_postfix_size tokens).
+KVZIP_FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+KVZIP_NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass
+class KVzipPrompts:
+    """Token ids of KVzip's reconstruction inputs for one tokenizer (kvpress KVzipPress.__call__):
+    the chat template's head is the cache's first `prefix_length` tokens (not reconstructed), its tail
+    (`suffix_ids`) follows the repeat prompt; without a chat template head "" and tail "\n"."""
+
+    prefix_length: int
+    suffix_ids: List[int]
+    first_ids: List[int]
+    next_ids: List[int]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "KVzipPrompts":
+        from .tasks import Renderer
+
+        r = Renderer(tokenizer)  # head/tail: the chat template around the user message, as kvpress splits it
+        return cls(prefix_length=len(r.ids(r.head)) if r.head else 0, suffix_ids=r.ids(r.tail),
+                   first_ids=r.ids(KVZIP_FIRST_PROMPT), next_ids=r.ids(KVZIP_NEXT_PROMPT))
+
+
+@torch.no_grad()
+def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                         ids: Sequence[int], prompts: KVzipPrompts, n_sink: int = 4, chunk_size: int = 2048,
+                         prev_postfix_size: int = 8, query_block: int = 256) -> Tuple[List[torch.Tensor], int]:
+    """KVzip's scores (kvpress 0.5 KVzipPress.prepare / score_kvzip; see kvp_vllm/scorers/kvzip.py) of
+    the cache keys/values[l] [H, t, d] of `ids` (t tokens, positions 0..t-1). The context after the chat
+    template's head is reconstructed chunk by chunk on top of the cache (each chunk at positions
+    t, t+1, ..); a chunk token's score is the maximum attention it gets from the reconstruction input's
+    queries (max over the query group and the input's tokens), the softmax taken over the first
+    min(n_sink, head) tokens, the chunk and the input itself. Returns (fp32 scores [H, t] per layer,
+    tokens fed: the extra prefill)."""
+    t = len(ids)
+    ids = [int(i) for i in ids]
+    start = min(prompts.prefix_length, t)
+    context = ids[start:]
+    chunks = [context[i:i + chunk_size] for i in range(0, len(context), chunk_size)]
+    scores = [torch.zeros(k.shape[0], t) for k in keys]
+    for s in scores:
+        s[:, :n_sink] = 1.0  # kvpress: score_val[..., :n_sink] = 1.0 (then overwritten by any chunk)
+    fed = 0
+    for i, chunk in enumerate(chunks):
+        if i == 0:
+            q_ids = list(prompts.first_ids)
+        else:
+            q_ids = list(prompts.next_ids) + (chunks[i - 1][-prev_postfix_size:] if prev_postfix_size else [])
+        feed = torch.as_tensor(q_ids + list(prompts.suffix_ids) + chunk, dtype=torch.long)
+        q_len, end = feed.shape[0], start + len(chunk)
+        fed += q_len
+        cache = _cache([(k[None, :, :t].contiguous(), v[None, :, :t].contiguous()) for k, v in zip(keys, values)])
+        cap = forward_capture(model, feed[None], cache=cache, query_last=q_len,
+                              position_ids=torch.arange(t, t + q_len)[None])
+        sink = min(n_sink, start)
+        for l, (q, k_all) in enumerate(zip(cap.queries, cap.keys)):
+            h, d = k_all.shape[0], k_all.shape[-1]
+            k = torch.cat([k_all[:, :sink], k_all[:, start:end], k_all[:, t:]], dim=1).float()  # [H, S, d]
+            q = q.float().reshape(h, q.shape[0] // h, q_len, d)
+            best = torch.zeros(h, end - start)
+            n_keys = k.shape[1]
+            for a in range(0, q_len, query_block):  # bounded memory; softmax is per query row
+                b = min(a + query_block, q_len)
+                logits = torch.einsum("hgqd,hsd->hgqs", q[:, :, a:b], k) / d ** 0.5
+                # causal among the reconstruction input's own keys (the last q_len)
+                own = torch.arange(n_keys - q_len, n_keys)
+                hidden = own[None, :] > (n_keys - q_len + torch.arange(a, b))[:, None]  # [b-a, q_len]
+                logits[..., n_keys - q_len:] = logits[..., n_keys - q_len:].masked_fill(hidden, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)[..., sink:sink + end - start]
+                best = torch.maximum(best, probs.amax(dim=(1, 2)))
+            scores[l][:, start:end] = best
+        start = end
+    return scores, fed
+
+
+def kvzip_importance(model, pre: "Prefill", protocol: str, prompts: KVzipPrompts,
+                     scorer: Optional[Scorer] = None) -> Tuple[List[torch.Tensor], int]:
+    """KVzip's reconstruction scores of the cache compressed under `protocol` (the context for
+    query_agnostic, context + question for query_aware), with the kvzip scorer's options (n_sink,
+    chunk_size, prev_postfix_size). Returns (scores [H, cache_len] per layer, extra tokens fed)."""
+    from ..scorers import make_scorer
+
+    sc = scorer if scorer is not None else make_scorer("kvzip")
+    t = pre.cache_len(protocol)
+    return kvzip_reconstruction(model, [k[:, :t] for k in pre.keys], [v[:, :t] for v in pre.values],
+                                pre.ids[:t].tolist(), prompts, n_sink=sc.n_sink, chunk_size=sc.chunk_size,
+                                prev_postfix_size=sc.prev_postfix_size)
+
+
 def rule_scores(scorer: Scorer, pre: Prefill, protocol: str,
-                future: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
-    """Per-layer scores [H, cache_len] of one rule under one protocol."""
-    return [scorer.score(pre.layer_kv(l, protocol, None if future is None else future[l]))
+                future: Optional[List[torch.Tensor]] = None,
+                reconstruction: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """Per-layer scores [H, cache_len] of one rule under one protocol (`future`: the oracle's future
+    attention per layer; `reconstruction`: KVzip's, from `kvzip_importance`)."""
+    window = max(pre.window, scorer.query_window)
+    captured = min(pre.q_aware[0].shape[1] if protocol == "query_aware" else pre.q_context[0].shape[1], window)
+    if scorer.query_window >= ALL_QUERIES and captured < pre.cache_len(protocol):
+        raise ValueError(f"{scorer.name} reads the query of every cached token, but the prefill captured "
+                         f"the last {captured}: prefill(..., capture=capture_window(window, scorers))")
+    return [scorer.score(pre.layer_kv(l, protocol, None if future is None else future[l], window=window,
+                                      reconstruction=None if reconstruction is None else reconstruction[l]))
             for l in range(len(pre.keys))]
 
 

@@ -123,12 +123,16 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
                     protect: str = DEFAULT_PROTECT) -> List[Dict]:
     """All rows of one sample. `rules` excludes "full", which is always computed (or reused from
     full_record, which carries the stored full-cache answer). Every rule row records the rule's
-    definition and the protect mode (and KVP rows the policy's sha256)."""
+    definition and the protect mode (and KVP rows the policy's sha256). KVzip rows also record the
+    cost of its reconstruction pass (`extra_prefill_tokens` fed, `extra_prefill_seconds`; summed in
+    timings["kvzip_reconstruction"]): a prefill no other rule pays."""
     timings = timings if timings is not None else defaultdict(float)
     scorer_cache = scorer_cache if scorer_cache is not None else {}
     eos = P._eos_ids(model, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    scorers = make_scorers([r for r in rules if r != FULL], sample, checkpoint, scorer_cache)
     t0 = time.perf_counter()
-    pre = P.prefill(model, sample.prompt_ids, len(sample.context_ids), window=window)
+    pre = P.prefill(model, sample.prompt_ids, len(sample.context_ids), window=window,
+                    capture=P.capture_window(window, list(scorers.values())))
     timings["prefill"] += time.perf_counter() - t0
     base = {"task": sample.task, "length": sample.length, "index": sample.index,
             "prompt_tokens": len(sample.prompt_ids), "kind": sample.kind}
@@ -144,7 +148,17 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         t0 = time.perf_counter()
         future = P.oracle_importance(model, pre, answer if sample.kind == "qa" else sample.gold_ids)
         timings["oracle_future"] += time.perf_counter() - t0
-    scorers = make_scorers([r for r in rules if r != FULL], sample, checkpoint, scorer_cache)
+    # KVzip: its reconstruction pass per protocol, an extra prefill recorded on its rows
+    reconstruction: Dict[str, List[torch.Tensor]] = {}
+    extra: Dict[Tuple[str, str], Dict] = {}
+    if "kvzip" in scorers:
+        prompts = P.KVzipPrompts.for_tokenizer(tokenizer)
+        for protocol in protos:
+            t0 = time.perf_counter()
+            reconstruction[protocol], fed = P.kvzip_importance(model, pre, protocol, prompts, scorers["kvzip"])
+            dt = time.perf_counter() - t0
+            timings["kvzip_reconstruction"] += dt
+            extra[(protocol, "kvzip")] = {"extra_prefill_tokens": fed, "extra_prefill_seconds": round(dt, 3)}
     stamp = {name: {"rule_def": sc.definition, "protect": protect} for name, sc in scorers.items()}
     if "kvp" in stamp:
         stamp["kvp"]["checkpoint_sha256"] = checkpoint_sha256(checkpoint)
@@ -155,7 +169,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
                  output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
                  agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
-        return dict(r, **stamp.get(rule, {}))
+        return dict(r, **stamp.get(rule, {}), **extra.get((protocol, rule), {}))
 
     rows: List[Dict] = []
     for protocol in protos:
@@ -171,7 +185,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
         if not scorers:
             continue
         t0 = time.perf_counter()
-        ranked = {name: P.rule_scores(sc, pre, protocol, None if future is None else future[protocol])
+        ranked = {name: P.rule_scores(sc, pre, protocol, None if future is None else future[protocol],
+                                      reconstruction.get(protocol) if name == "kvzip" else None)
                   for name, sc in scorers.items()}
         timings["scoring"] += time.perf_counter() - t0
         jobs = []  # (rule, budget label, b, compacted layers): every rule and budget, one padded batch
@@ -180,7 +195,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
             label = budget_label(budget)
             if b >= cache_len:  # keeps everything: identical to the full cache
                 for name in scorers:
-                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None, **stamp[name]))
+                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None, **stamp[name],
+                                     **extra.get((protocol, name), {})))
                 continue
             t0 = time.perf_counter()
             for name in scorers:
@@ -328,6 +344,10 @@ def aggregate(rows: List[Dict]) -> List[Dict]:
         if pairs:
             agg["delta_logprob_per_token"] = sum(
                 (r["gold_logprob"] - f["gold_logprob"]) / max(r["gold_tokens"], 1) for r, f in pairs) / len(pairs)
+        extra = [r for r in rs if r.get("extra_prefill_tokens") is not None]
+        if extra:  # a rule paying a second forward pass (KVzip's reconstruction): its mean cost
+            agg["extra_prefill_tokens_mean"] = sum(r["extra_prefill_tokens"] for r in extra) / len(extra)
+            agg["extra_prefill_seconds_mean"] = sum(r["extra_prefill_seconds"] for r in extra) / len(extra)
         if kind == "ppl":
             agg["perplexity"] = math.exp(-sum(r["gold_logprob"] for r in rs) / max(tok, 1))
             ftok = sum(f["gold_tokens"] for _, f in pairs)
@@ -479,7 +499,7 @@ def _budget_sort(label: str):
 
 CSV_ROW_FIELDS = ["task", "length", "index", "protocol", "rule", "budget", "kept", "cache_len",
                   "prompt_tokens", "correct", "recall", "same_as_full", "agree", "gold_logprob",
-                  "gold_tokens", "output"]
+                  "gold_tokens", "output", "extra_prefill_tokens", "extra_prefill_seconds"]
 
 
 def samples_done(rows: List[Dict], rules: Sequence[str]) -> Dict[str, int]:
