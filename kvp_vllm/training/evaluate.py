@@ -2,8 +2,9 @@
 lower is better) of KVP and of every baseline scoring rule, per layer and overall.
 
 Every rule is run through the one scoring interface (`make_scorer(name).score(LayerKV)`), on the prompt's
-post-RoPE keys/values, with the last W prompt queries for the query-aware rules (TOVA, SnapKV). The
-ranking and cost cover the unprotected tokens only (see `objective.middle`).
+post-RoPE keys/values, with the last W prompt queries for the query-aware rules (TOVA, SnapKV; Expected
+Attention, which reads every query, has these W only, and the model's RoPE from the traces' model
+folder). The ranking and cost cover the unprotected tokens only (see `objective.middle`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..scorers import BASELINE_RULES, QUERY_AWARE_RULES, LayerKV, make_scorer
+from ..scorers import BASELINE_RULES, QUERY_AWARE_RULES, LayerKV, Rope, make_scorer
 from .collect import TraceSet
 from .objective import greedy_normalised_cost, middle
 
@@ -20,11 +21,20 @@ BASELINES = BASELINE_RULES  # every servable rule but KVP, from the scorer regis
 QUERY_AGNOSTIC = tuple(r for r in BASELINES if r not in QUERY_AWARE_RULES)
 
 
-def layer_kv(data: Dict[str, torch.Tensor], layer: int) -> LayerKV:
+def layer_kv(data: Dict[str, torch.Tensor], layer: int, rope: Optional[Rope] = None) -> LayerKV:
     n = data["keys"].shape[1]
     return LayerKV(keys=data["keys"].float(), values=data["values"].float(),
                    positions=torch.arange(n), queries=data["window_queries"].float(),
-                   future_importance=data["importance"].float(), layer=layer)
+                   future_importance=data["importance"].float(), layer=layer, rope=rope)
+
+
+def traces_rope(traces: TraceSet) -> Optional[Rope]:
+    """The rotary embedding of the model the traces were collected from (its folder's config), or None
+    when that folder is gone (Expected Attention then refuses with a clear error)."""
+    from ..capture import config_rope
+
+    path = traces.manifest.get("model_path")
+    return config_rope(path) if path else None
 
 
 @torch.no_grad()
@@ -36,9 +46,10 @@ def evaluate_rules(traces: TraceSet, ids: Sequence[str], rules: Dict[str, object
 
     layers = list(range(traces.shape.num_layers)) if layers is None else list(layers)
     sums = {r: torch.zeros(len(layers), traces.shape.num_kv_heads, dtype=torch.float64) for r in rules}
+    rope = traces_rope(traces) if any(getattr(s, "needs_queries", False) for s in rules.values()) else None
     for tid in tqdm(ids, desc="evaluate", disable=not progress):
         for li, l in enumerate(layers):
-            kv = layer_kv(traces.load(tid, l), l)
+            kv = layer_kv(traces.load(tid, l), l, rope)
             mid = middle(kv.length)
             c = kv.future_importance[:, mid]
             for name, scorer in rules.items():
