@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from kvp_vllm.policy import KVPPolicy  # noqa: E402
 from kvp_vllm.selection import select_topb  # noqa: E402
 from kvp_vllm.training.collect import TraceSet  # noqa: E402
-from kvp_vllm.training.evaluate import default_rules, layer_kv  # noqa: E402
+from kvp_vllm.training.evaluate import BASELINES, default_rules, layer_kv  # noqa: E402
 
 
 @torch.no_grad()
@@ -78,10 +78,14 @@ def main(argv=None) -> int:
     p.add_argument("--rules", default="kvp,snapkv,tova,streaming,keydiff,lagkv,oracle")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    wanted = [r for r in args.rules.split(",") if r]
+    known = ("kvp", *BASELINES, "oracle")  # what default_rules builds: the scorer registry's rules
+    unknown = [r for r in wanted if r not in known]
+    if unknown or not wanted:
+        p.error(f"unknown rule {unknown[0]!r}; known: {','.join(known)}" if unknown else "no --rules given")
     torch.set_num_threads(1)
     traces = TraceSet(args.traces)
     policy = KVPPolicy.load(args.checkpoint, expect=traces.shape)
-    wanted = args.rules.split(",")
     rules = {k: v for k, v in default_rules(policy).items() if k in wanted}
     res = recency_stats(traces, rules, [int(b) for b in args.budgets.split(",")], args.recent)
     res["command"] = "python benchmarks/recency_kept.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -161,3 +161,14 @@ def test_recency_diagnostic_script(tiny_traces, tmp_path):
         assert cell[("streaming", b)]["recent_share"] == pytest.approx((b - 4) / b)
         assert all(0.0 <= r["recent_share"] <= 1.0 and 0.0 <= r["kept_mass"] <= 1.0 + 1e-6 for r in res["rows"])
     assert cell[("oracle", 128)]["kept_mass"] >= cell[("oracle", 64)]["kept_mass"]
+
+
+def test_recency_diagnostic_refuses_unknown_rules(tmp_path):
+    """--rules names rules of the scorer registry (default_rules); a misspelt one is an error, not
+    silently left out of the table."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "recency_kept.py"
+    proc = subprocess.run([sys.executable, str(script), "--traces", str(tmp_path / "none"), "--checkpoint",
+                           str(tmp_path / "none"), "--rules", "kvp,tovaa", "--out", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown rule 'tovaa'" in proc.stderr, proc.stderr[-2000:]
+    assert all(r in proc.stderr for r in BASELINE_RULES) and not (tmp_path / "r.json").exists()
