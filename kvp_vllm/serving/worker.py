@@ -12,9 +12,13 @@ pinned buffers with non-blocking copies, timings are CUDA events read back steps
 After the original `_prepare_inputs`, `AttentionView` (attention_view.py) makes attention see each
 compacted row from its first kept block, in vLLM's persistent buffers, so CUDA graphs stay valid.
 
-Query-aware rules (TOVA, SnapKV) read the last queries before a compaction, captured by a wrapper of
-the attention backend's forward. Only the steps holding such query rows capture; they run without a
-FULL CUDA graph (the dispatcher hook), every other step keeps its graph.
+Query-aware rules (TOVA, SnapKV, Expected Attention) read the last queries before a compaction,
+captured by a wrapper of the attention backend's forward. Only the steps holding such query rows capture;
+they run without a FULL CUDA graph (the dispatcher hook), every other step keeps its graph. Expected
+Attention reads the queries of every token cached since the last compaction (the whole prompt before the
+first: about 1.5x the request's own KV cache for a Llama-style model with 3x as many query as KV heads,
+held until that compaction) and the model's RoPE, taken from vLLM's rotary embedding and checked
+against its cos/sin cache at start-up (`model_rope`).
 
 All state belongs to this object, which the model runner owns: two engines in one process never share
 it. Attention layers and the CUDA-graph dispatcher find it through an attribute set at start-up.
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 
 from ..kernels import compact_tail_batched, gather_kv
-from ..scorers import make_scorer, score_held
+from ..scorers import Rope, make_scorer, score_held
 from ..selection import select_topb
 from .attention_view import AttentionView
 from .config import EvictionConfig, request_budget, request_rule
@@ -43,6 +47,34 @@ from .scheduler import next_compaction_length
 logger = logging.getLogger("vllm.kvp_vllm.worker")
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+def model_rope(model, head_dim: int) -> Optional[Rope]:
+    """The rotary embedding of a vLLM model as a `Rope` (Expected Attention un-rotates the captured
+    queries with it): its first rotary-embedding module, neox style (Llama/Qwen2/Mistral) over the whole
+    head, inv_freq from the module's own `_compute_inv_freq` and the scaling (YaRN's mscale) from its
+    cos/sin cache, which the result must reproduce (otherwise None: the rule then refuses)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+        rot = next((m for m in model.modules() if isinstance(m, RotaryEmbeddingBase)), None)
+        if rot is None or not rot.is_neox_style or rot.rotary_dim != head_dim:
+            return None
+        inv_freq = rot._compute_inv_freq(rot.base).float().cpu()
+        table = rot.cos_sin_cache.float().cpu()
+        n = min(table.shape[0], 4096)
+        cos_t, sin_t = table[:n].chunk(2, dim=-1)
+        scale = float(torch.hypot(cos_t, sin_t).mean())
+        rope = Rope(inv_freq, scale)
+        cos, sin = rope.cos_sin(torch.arange(n))
+        tol = 1e-4 if rot.cos_sin_cache.dtype == torch.float32 else 1e-2
+        half = head_dim // 2
+        if not (torch.allclose(cos[:, :half], cos_t, atol=tol) and torch.allclose(sin[:, :half], sin_t, atol=tol)):
+            return None
+        return rope
+    except Exception:  # noqa: BLE001 - another rotary form: Expected Attention refuses with a clear error
+        logger.debug("kvp-vllm: no RoPE for Expected Attention", exc_info=True)
+        return None
 
 
 def layer_index(layer_name: str) -> int:
@@ -59,7 +91,17 @@ class RequestEviction:
     k_blocks: int = 0                          # leading blocks already freed (null)
     kept_len: int = 0                          # logical length at the last compaction
     positions: Optional[torch.Tensor] = None   # [layers, H, kept] int32 logical positions of the kept slots
-    queries: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, q_heads, d]
+    #: layer -> the captured query rows [n, q_heads, d] of successive steps (oldest first), at least the
+    #: last W of them (concatenated when scored: no copy of the whole window per step)
+    queries: Dict[int, List[torch.Tensor]] = field(default_factory=dict)
+
+    def window_queries(self, layer: int, window: int) -> Optional[torch.Tensor]:
+        """The last `window` captured queries of a layer, [W, q_heads, d], or None."""
+        rows = self.queries.get(layer)
+        if not rows:
+            return None
+        q = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return q[max(q.shape[0] - window, 0):]
 
 
 @dataclass
@@ -167,6 +209,15 @@ class WorkerEviction:
             shape = ModelShape(len(self.layers), self.num_kv_heads, self.head_dim, vc.model_config.model)
             policy = KVPPolicy.load(cfg.checkpoint, expect=shape).to(self.device)
             self.scorers["kvp"] = make_scorer("kvp", policy=policy)
+        try:
+            self.rope = model_rope(runner.get_model(), self.head_dim)
+        except Exception:  # noqa: BLE001 - no model to read it from
+            self.rope = None
+        if self.rope is not None:
+            self.rope = Rope(self.rope.inv_freq.to(self.device), self.rope.attention_scaling)
+        elif cfg.rule == "expected_attention":
+            raise RuntimeError("kvp-vllm: --kv-eviction expected_attention needs the model's rotary embedding "
+                               "in Llama/Qwen2/Mistral (neox, whole-head) form, which this model does not have")
         self.scorer_for(cfg.rule)
         logger.info("kvp-vllm worker ready: rule=%s, %d layers, block %d, %s layout on %s (%s)",
                     cfg.rule, len(self.layers), self.block_size, self.layout, self.device,
@@ -384,11 +435,12 @@ class WorkerEviction:
         keys, values = keys.float(), values.float()
         queries = None
         if scorer.needs_queries:
-            q = job.st.queries.get(layer)
+            q = job.st.window_queries(layer, scorer.query_window)
             if q is None:
                 raise RuntimeError(f"kvp-vllm: no captured queries for layer {layer}")
             queries = q.permute(1, 0, 2).float()  # [q_heads, W, d]
-        return score_held(scorer, layer, keys, values, pos, queries, heads_differ=job.st.positions is not None)
+        return score_held(scorer, layer, keys, values, pos, queries, heads_differ=job.st.positions is not None,
+                          rope=self.rope)
 
     # -- query capture (called from the attention backend wrapper) -------------------------------
 
@@ -397,8 +449,8 @@ class WorkerEviction:
         q = query.reshape(query.shape[0], self.num_q_heads, self.head_dim)
         for rid, start, end, window in self.capture_rows:
             st = self.reqs.setdefault(rid, RequestEviction())
-            rows = q[start:end].detach().clone()
-            old = st.queries.get(li)
-            if old is not None:
-                rows = torch.cat([old, rows])[-window:]
-            st.queries[li] = rows
+            rows = st.queries.setdefault(li, [])
+            rows.append(q[start:end].detach().clone())
+            held = sum(r.shape[0] for r in rows)
+            while len(rows) > 1 and held - rows[0].shape[0] >= window:  # older rows rolled out of the window
+                held -= rows.pop(0).shape[0]

@@ -207,3 +207,48 @@ def test_long_generation_harness_replays_the_servers_compactions(engine, smollm2
                        for a, b in zip(ours.flatten(0, 1), theirs.flatten(0, 1)))
             assert same >= 0.995 * theirs.numel(), f"kept positions differ at length {length}"
     assert all(rep.top1[0]), "the replayed caches do not predict the server's own tokens"
+
+
+def test_expected_attention_through_the_server(engine, smollm2):
+    """Expected Attention served: the worker captures every prompt query across the 128-token prefill
+    chunks and un-rotates them with vLLM's own RoPE (`worker.model_rope`, equal to HF's); after prefill it keeps, per
+    layer and KV head, the tokens the rule keeps from Hugging Face's queries of the same prompt (>= 99.5%:
+    vLLM's and HF's fp32 queries differ by rounding), and the decode-time re-compaction (queries of the
+    tokens since the last compaction, per-head positions) scores without error; the generated tokens
+    are those of a replay of the kept tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvp_vllm.capture import forward_capture
+    from kvp_vllm.scorers import make_scorer
+    from kvp_vllm.selection import select_topb
+    from kvp_vllm.serving.metrics import metrics
+    from kvp_vllm.serving.replay import hf_replay, record_compactions, worker_eviction
+
+    model, tok = smollm2
+    ids = _prompt_ids(tok)
+    errors = metrics().scoring_errors.labels("expected_attention")
+    errors_before = errors._value.get()
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True,
+                            extra_args={"kv_budget": BUDGET, "kv_rule": "expected_attention"})
+    with record_compactions(engine) as history:
+        out = engine.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
+    got = list(out.outputs[0].token_ids)
+    assert errors._value.get() == errors_before, "the rule failed and recency was used"
+    (record,) = history.values()
+    assert record[0][0] == len(ids) and len(record) >= 2, [length for length, _ in record]
+    # vLLM's RoPE, as the worker reads it, is the model's own (HF's)
+    rope = worker_eviction(engine).rope
+    cap = forward_capture(model, torch.tensor([ids]), query_last=len(ids))
+    assert rope is not None and torch.allclose(rope.inv_freq.cpu(), cap.rope.inv_freq)
+    assert rope.attention_scaling == pytest.approx(cap.rope.attention_scaling)
+    scorer = make_scorer("expected_attention")
+    kept = record[0][1]  # [layers, H, b'] positions kept after prefill
+    same = 0
+    for layer in range(len(cap.keys)):
+        ours = select_topb(scorer.score(cap.layer_kv(layer)), kept.shape[2])
+        same += sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ours, kept[layer]))
+    print(f"expected_attention: server kept {same / kept.numel():.4f} of the harness definition's tokens")
+    assert same >= 0.995 * kept.numel(), same / kept.numel()
+    want, _, _ = hf_replay(model, ids, LONG_TOKENS, record)
+    assert got == want
