@@ -300,7 +300,7 @@ def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[t
     start = min(prompts.prefix_length, t)
     context = ids[start:]
     chunks = [context[i:i + chunk_size] for i in range(0, len(context), chunk_size)]
-    scores = [torch.zeros(k.shape[0], t) for k in keys]
+    scores = [torch.zeros(k.shape[0], t, device=k.device) for k in keys]
     for s in scores:
         s[:, :n_sink] = 1.0  # kvpress: score_val[..., :n_sink] = 1.0 (then overwritten by any chunk)
     fed = 0
@@ -309,25 +309,25 @@ def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[t
             q_ids = list(prompts.first_ids)
         else:
             q_ids = list(prompts.next_ids) + (chunks[i - 1][-prev_postfix_size:] if prev_postfix_size else [])
-        feed = torch.as_tensor(q_ids + list(prompts.suffix_ids) + chunk, dtype=torch.long)
+        feed = torch.as_tensor(q_ids + list(prompts.suffix_ids) + chunk, dtype=torch.long, device=keys[0].device)
         q_len, end = feed.shape[0], start + len(chunk)
         fed += q_len
         cache = _cache([(k[None, :, :t].contiguous(), v[None, :, :t].contiguous()) for k, v in zip(keys, values)])
         cap = forward_capture(model, feed[None], cache=cache, query_last=q_len,
-                              position_ids=torch.arange(t, t + q_len)[None])
+                              position_ids=torch.arange(t, t + q_len, device=feed.device)[None])
         sink = min(n_sink, start)
         for l, (q, k_all) in enumerate(zip(cap.queries, cap.keys)):
             h, d = k_all.shape[0], k_all.shape[-1]
             k = torch.cat([k_all[:, :sink], k_all[:, start:end], k_all[:, t:]], dim=1).float()  # [H, S, d]
             q = q.float().reshape(h, q.shape[0] // h, q_len, d)
-            best = torch.zeros(h, end - start)
+            best = torch.zeros(h, end - start, device=k.device)
             n_keys = k.shape[1]
             for a in range(0, q_len, query_block):  # bounded memory; softmax is per query row
                 b = min(a + query_block, q_len)
                 logits = torch.einsum("hgqd,hsd->hgqs", q[:, :, a:b], k) / d ** 0.5
                 # causal among the reconstruction input's own keys (the last q_len)
-                own = torch.arange(n_keys - q_len, n_keys)
-                hidden = own[None, :] > (n_keys - q_len + torch.arange(a, b))[:, None]  # [b-a, q_len]
+                own = torch.arange(n_keys - q_len, n_keys, device=k.device)
+                hidden = own[None, :] > (n_keys - q_len + torch.arange(a, b, device=k.device))[:, None]
                 logits[..., n_keys - q_len:] = logits[..., n_keys - q_len:].masked_fill(hidden, float("-inf"))
                 probs = torch.softmax(logits, dim=-1)[..., sink:sink + end - start]
                 best = torch.maximum(best, probs.amax(dim=(1, 2)))

@@ -21,4 +21,5 @@ def rule_definition(name: str) -> str:
 
 
 __all__ = ["SCORERS", "LayerKV", "Rope", "ALL_QUERIES", "Scorer", "attention_probs", "make_scorer", "register",
-           "score_held", "SERVABLE_RULES", "QUERY_AWARE_RULES", "BASELINE_RULES", "LEGACY_DEFINITION", "rule_definition"]
+           "score_held", "SERVABLE_RULES", "QUERY_AWARE_RULES", "BASELINE_RULES", "LEGACY_DEFINITION",
+           "rule_definition"]

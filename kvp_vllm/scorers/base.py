@@ -78,8 +78,8 @@ class Rope:
         d = self.head_dim
         eye = torch.eye(d, dtype=torch.float32, device=cos.device)
         p = torch.zeros(d, d, dtype=torch.float32, device=cos.device)
-        p[d // 2:, :d // 2] = torch.eye(d // 2)
-        p[:d // 2, d // 2:] = -torch.eye(d // 2)
+        p[d // 2:, :d // 2] = torch.eye(d // 2, device=cos.device)
+        p[:d // 2, d // 2:] = -torch.eye(d // 2, device=cos.device)
         return (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * p).mean(dim=0)  # as kvpress builds it
 
 
