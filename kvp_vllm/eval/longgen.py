@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..capture import forward_capture
+from ..capture import forward_capture, hf_rope
 from ..scorers import SCORERS, SERVABLE_RULES, Scorer, score_held
 from ..selection import DEFAULT_PROTECT, PROTECT_MODES, protected_counts, select_topb
 from .runner import checkpoint_sha256, make_scorers
@@ -116,6 +116,7 @@ def replay(model, prompt_ids: Sequence[int], forced_ids: Sequence[int], scorers:
     n, m = len(prompt_ids), len(forced_ids)
     bsz = len(scorers)
     n_sink, n_recent = protected_counts(protect)
+    rope = hf_rope(model)  # Expected Attention un-rotates the captured queries
     schedule = {} if budget is None else dict(
         compaction_schedule(n, n + m + answer_tokens, budget, interval, block_size))
     cap = forward_capture(model, torch.as_tensor([list(prompt_ids)]), query_last=window, all_rows=True)
@@ -140,9 +141,10 @@ def replay(model, prompt_ids: Sequence[int], forced_ids: Sequence[int], scorers:
         for li in range(len(keys)):
             kept_rows = []
             for r, scorer in enumerate(scorers):
-                q = queries[li][r].float() if scorer.needs_queries else None
+                # each rule reads its own last query_window captured rows, as the worker's window_queries
+                q = queries[li][r][:, -scorer.query_window:].float() if scorer.needs_queries else None
                 scores = score_held(scorer, li, keys[li][r].float(), values[li][r].float(), held[li, r], q,
-                                    heads_differ=differ[r])
+                                    heads_differ=differ[r], rope=rope)
                 kept_rows.append(select_topb(scores, keep, n_sink, n_recent))
             kept = torch.stack(kept_rows)                                     # [B, H, keep] slots
             idx = kept[..., None].expand(-1, -1, -1, keys[li].shape[-1])

@@ -4,6 +4,7 @@ resume) and the CLI's errors. That the replay compacts exactly as the real serve
 against a vLLM engine in tests/serving/test_tailpack_exact.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -154,3 +155,25 @@ def test_cli_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         LG.main(argv + ["--out", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_each_rule_reads_its_own_query_window_beside_expected_attention(model):
+    """With Expected Attention in the batch every query is captured (window = ALL_QUERIES): it runs with
+    the model's RoPE (hf_rope; without it the rule refuses) on the replayed cache, and SnapKV's row is
+    the one it gets when only its own query_window rows are captured (as the worker's window_queries)."""
+    from kvp_vllm.capture import hf_rope
+    from kvp_vllm.scorers.base import ALL_QUERIES
+
+    assert hf_rope(model) is not None
+    prompt, forced = _ids(150, 5), _ids(60, 6)
+    snap = make_scorer("snapkv")
+    assert 0 < snap.query_window < len(prompt)
+    both = LG.replay(model, prompt, forced, [snap, make_scorer("expected_attention")], 48, interval=10,
+                     block_size=8, window=ALL_QUERIES, answer_tokens=4)
+    alone = LG.replay(model, prompt, forced, [make_scorer("snapkv")], 48, interval=10, block_size=8,
+                      window=snap.query_window, answer_tokens=4)
+    torch.testing.assert_close(torch.tensor(both.logprobs[0]), torch.tensor(alone.logprobs[0]), rtol=0, atol=2e-5)
+    assert both.compactions >= 4
+    full = LG.replay(model, prompt, forced, [None], None)
+    assert max(abs(a - b) for a, b in zip(full.logprobs[0], both.logprobs[1])) > 1e-3
+    assert all(math.isfinite(x) for x in both.logprobs[1])
