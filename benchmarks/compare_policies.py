@@ -11,7 +11,7 @@ recomputed, never mixed), so evaluate the older policy alone in a folder of its 
 
 The older policy's KVP rows become rule LABEL; both folders must have evaluated the same prompts (their
 full-cache rows must agree). Writes compare.md (task-averaged accuracy and perplexity tables over the
-samples both folders have), compare.json and the usual plots.
+samples both folders have), compare.json.gz and the usual plots.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvp_vllm.eval.plots import plot_all  # noqa: E402
 from kvp_vllm.eval.runner import (RowMismatch, aggregate, checkpoint_sha256, complete_rows,  # noqa: E402
                                   current_rows, markdown_summary, merge_policy_rows, read_rows,
                                   task_average, task_average_table)
-from kvp_vllm.eval.store import MixedStore  # noqa: E402
+from kvp_vllm.eval.store import MixedStore, write_json  # noqa: E402
 
 
 def folder_rows(folder: Path):
@@ -75,10 +75,9 @@ def main(argv=None) -> int:
             if table.count("\n") > 1:
                 lines.append(f"## {metric}, {protocol}\n\n{table}\n")
     (args.out / "compare.md").write_text("\n".join(lines))
-    (args.out / "compare.json").write_text(json.dumps({"base": str(args.base), "other": str(args.other),
-                                                       "label": args.label, "base_sha256": base_sha,
-                                                       "other_sha256": other_sha, "aggregate": agg,
-                                                       "task_average": avg}, indent=1))
+    write_json(args.out / "compare.json.gz", {"base": str(args.base), "other": str(args.other),
+                                              "label": args.label, "base_sha256": base_sha,
+                                              "other_sha256": other_sha, "aggregate": agg, "task_average": avg})
     plot_all(agg, args.out, avg)
     print("\n".join(lines))
     return 0

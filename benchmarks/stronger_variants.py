@@ -11,7 +11,7 @@ one it was; KVP is the shipped server's setting (`paper`). Both variants are als
       --none benchmarks/results/eval_smollm2_2k_faithful_protect_none \\
       --out benchmarks/results/eval_smollm2_2k_faithful_protect_paper/stronger
 
-Writes stronger.md and stronger.json. The folders must have evaluated the same prompts (their
+Writes stronger.md and stronger.json.gz. The folders must have evaluated the same prompts (their
 full-cache rows must agree); only the samples both folders have with every rule and budget count.
 """
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from kvp_vllm.eval.runner import (FULL, RowMismatch, _budget_sort, aggregate, checkpoint_sha256,  # noqa: E402
                                   complete_rows, current_rows, merge_rows, read_rows, stored_identity,
                                   task_average, task_average_table)
+from kvp_vllm.eval.store import write_json  # noqa: E402
 
 NONE_SUFFIX = "[protect=none]"
 
@@ -148,8 +149,7 @@ def main(argv=None) -> int:
     cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}")
     (args.out / "stronger.md").write_text(f"# KVP vs the stronger variant of each baseline\n\nCommand: `{cmd}`\n\n"
                                           + text)
-    (args.out / "stronger.json").write_text(json.dumps({"paper": str(args.paper), "none": str(args.none), **data},
-                                                       indent=1))
+    write_json(args.out / "stronger.json.gz", {"paper": str(args.paper), "none": str(args.none), **data})
     print(text)
     return 0
 

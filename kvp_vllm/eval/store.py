@@ -299,6 +299,20 @@ def write_csv(path: PathLike, rows: List[Dict], fields: Optional[List[str]] = No
             f.write(buf.getvalue())
 
 
+def write_json(path: PathLike, obj) -> None:
+    """obj as JSON; gzip (one member) when the name ends in .gz, and then a stale plain copy of the
+    same name is removed. Large report summaries (compare/stronger tables) go compressed: every GPU
+    transfer carries the tracked tree."""
+    path = Path(path)
+    if is_gz(path):
+        _write_atomic(path, _gzip_member(json.dumps(obj).encode("utf-8")))
+        plain = _pair(path)[0]
+        if plain.exists():
+            plain.unlink()
+    else:
+        path.write_text(json.dumps(obj, indent=1))
+
+
 def compress_folder(folder: PathLike, names: Iterable[str] = RAW_FILES) -> List[Tuple[str, int, int]]:
     """Migrate an older result folder once: write X.gz for every plain X of `names` (checked to
     decompress to the same bytes) and remove X. Returns (name, plain bytes, gz bytes) per file."""

@@ -1,6 +1,7 @@
 """Runner (outputs, resume, adding a rule later), CLI argument errors, and a sanity check on the real
 model (full cache solves an easy needle; the oracle beats random eviction)."""
 
+import gzip
 import json
 
 import pytest
@@ -335,6 +336,8 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| kvp_old | 1.000 |" in md and "| tova | 0.000 |" in md
     assert (tmp_path / "cmp" / "eval_task_average_512.png").exists()
+    report = json.loads(gzip.decompress((tmp_path / "cmp" / "compare.json.gz").read_bytes()))
+    assert {a["rule"] for a in report["aggregate"]} >= {"kvp_old", "kvp", "tova"}
     proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
                            "--label", "tova", "--out", str(tmp_path / "cmp2")], capture_output=True, text=True)
     assert proc.returncode != 0 and "already a rule" in proc.stderr

@@ -9,7 +9,8 @@ import pytest
 
 from kvp_vllm.eval import cli
 from kvp_vllm.eval.store import (MixedStore, StoreDamaged, _scan, append_rows, compact, compress_folder,
-                                 find, open_text, read_bytes, read_csv, read_rows, store_path, write_csv)
+                                 find, open_text, read_bytes, read_csv, read_rows, store_path, write_csv,
+                                 write_json)
 
 
 def rows(start, n):
@@ -121,6 +122,16 @@ def test_csv_gz_and_open_text(tmp_path):
     with pytest.raises(FileNotFoundError):
         with open_text(tmp_path / "nothing.csv"):
             pass
+
+
+def test_write_json_gz_replaces_a_stale_plain_copy(tmp_path):
+    obj = {"aggregate": [{"rule": "kvp", "accuracy": 0.5}], "label": "é"}
+    (tmp_path / "compare.json").write_text("stale")
+    write_json(tmp_path / "compare.json.gz", obj)
+    assert not (tmp_path / "compare.json").exists()
+    assert json.loads(gzip.decompress((tmp_path / "compare.json.gz").read_bytes())) == obj
+    write_json(tmp_path / "plain.json", obj)  # plain name: readable JSON
+    assert json.loads((tmp_path / "plain.json").read_text()) == obj
 
 
 def test_compress_folder_migrates_once_and_reads_back(tmp_path, capsys):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvp_vllm.eval.runner import EvalConfig, run
+from kvp_vllm.eval.store import read_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("stronger_variants", ROOT / "benchmarks" / "stronger_variants.py")
@@ -65,6 +66,7 @@ def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
     SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "stronger.md").read_text()
     assert "stronger variant" in md and "knorm[protect=none]" in md and "ppl_essay perplexity" in md
+    assert read_bytes(tmp_path / "out" / "stronger.json.gz").startswith(b'{"paper": ')  # gzip, read back
     with pytest.raises(SystemExit, match="not a --protect none folder"):
         SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "paper"), "--out", str(tmp_path)])
     run(cfg("none", seed=1), small_model, tokenizer, tmp_path / "other", progress=False, plots=False)
