@@ -413,6 +413,7 @@ def plot(result, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from kvp_vllm.eval.plots import save_png
 
     rows = result["rows"]
     shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
@@ -445,7 +446,7 @@ def plot(result, path):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def goal_summary(result):

@@ -412,6 +412,7 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from kvp_vllm.eval.plots import save_png
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for run in report["runs"]:
@@ -431,7 +432,7 @@ def plot(report: dict, path: Path) -> None:
     fig.suptitle(f"{cfg['requests']} {what}, {cfg['min_tokens']}-{cfg['max_tokens']} prompt tokens, "
                  f"pool {cfg['pool_blocks']} blocks of {cfg['block_size']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
 
 

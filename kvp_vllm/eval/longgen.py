@@ -462,6 +462,7 @@ def plot(agg: List[Dict], out_dir: Path) -> List[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from .plots import save_png
 
     paths = []
     budgets = sorted({a["budget"] for a in agg if a["rule"] != FULL}, key=int)
@@ -481,7 +482,7 @@ def plot(agg: List[Dict], out_dir: Path) -> List[Path]:
         axes[0][-1].legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"longgen_{kind}_{target}.png"
-        fig.savefig(path, dpi=110)
+        save_png(fig, path)
         plt.close(fig)
         paths.append(path)
     return paths

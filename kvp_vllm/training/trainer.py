@@ -188,6 +188,7 @@ def plot_log(log_path: Path, out_png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from ..eval.plots import save_png
 
     rows = [json.loads(l) for l in log_path.read_text().splitlines() if l.strip()]
     train = [r for r in rows if "loss" in r]
@@ -202,7 +203,7 @@ def plot_log(log_path: Path, out_png: Path) -> None:
     ax[1].set_yscale("log"); ax[1].legend()
     fig.tight_layout()
     tmp = out_png.with_name(f".{out_png.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    save_png(fig, tmp)
     plt.close(fig)
     os.replace(tmp, out_png)
 
