@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvp_vllm.eval.store import dumps_readable  # noqa: E402
 from kvp_vllm.policy import KVPPolicy  # noqa: E402
 from kvp_vllm.selection import select_topb  # noqa: E402
 from kvp_vllm.training.collect import TraceSet  # noqa: E402
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     res = recency_stats(traces, rules, [int(b) for b in args.budgets.split(",")], args.recent)
     res["command"] = "python benchmarks/recency_kept.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
+    args.out.write_text(dumps_readable(res))
     table = markdown(res)
     args.out.with_suffix(".md").write_text(table + "\n")
     print(table)

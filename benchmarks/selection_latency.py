@@ -68,6 +68,7 @@ def import_kernels():
 
 K = import_kernels()
 from kvp_vllm.policy import KVPPolicy, ModelShape  # noqa: E402
+from kvp_vllm.eval.store import dumps_readable  # noqa: E402
 from kvp_vllm.selection import min_budget  # noqa: E402
 
 SHAPES = {
@@ -544,7 +545,7 @@ def main(argv=None):
     def save():
         result["wall_s"] = round(time.time() - t_start, 1)
         result["goal_point"] = goal_summary(result)
-        out.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
+        out.write_text(dumps_readable(result))  # partial results survive a time limit
 
     def over_budget(what):
         if budget_s is not None and time.time() - t_start > budget_s:

@@ -438,7 +438,9 @@ def plot(report: dict, path: Path) -> None:
 
 def write_json(report: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
+    from kvp_vllm.eval.store import dumps_readable
+
+    tmp.write_text(dumps_readable(report))
     tmp.replace(path)
 
 

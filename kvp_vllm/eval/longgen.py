@@ -48,7 +48,7 @@ from ..capture import forward_capture, hf_rope
 from ..scorers import SCORERS, SERVABLE_RULES, Scorer, score_held
 from ..selection import DEFAULT_PROTECT, PROTECT_MODES, protected_counts, select_topb
 from .runner import checkpoint_sha256, make_scorers
-from .store import append_rows, compact, read_rows, store_path, write_csv
+from .store import append_rows, compact, read_rows, store_path, write_csv, write_json
 from .tasks import (NIAH_PREAMBLE, Renderer, _essay_stream, _Filler, _fit, _insert, _key, _number,
                     score_answers)
 
@@ -501,7 +501,7 @@ def write_outputs(out_dir: Path, cfg: LongGenConfig, rows: List[Dict], extra: Di
                          f"schedule: compaction after the prompt, then whenever the request holds more than "
                          f"budget + {cfg.interval} tokens, whole blocks of {cfg.block_size} freed"],
                "aggregate": agg}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out_dir / "results.json", results)
     fields = ["kind", "index", "target", "rule", "budget", "tokens", "logprob", "top1", "compactions",
               "correct", "output", "prompt_tokens"]
     write_csv(out_dir / "per_sample.csv.gz", rows, fields)

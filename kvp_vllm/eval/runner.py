@@ -48,7 +48,7 @@ from ..scorers import LEGACY_DEFINITION, SCORERS, make_scorer, rule_definition
 from ..selection import DEFAULT_PROTECT, protected_counts
 from . import protocol as P
 from .store import (MixedStore, append_rows, append_text, compact, read_rows,  # noqa: F401 (re-exported)
-                    store_path, write_csv)
+                    store_path, write_csv, write_json)
 from .tasks import TASKS, Renderer, Sample, make_sample, score_answers
 
 FULL = "full"
@@ -544,7 +544,7 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
         "aggregate": agg,
         "task_average": task_average(rows),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(out_dir / "results.json", results)
     write_csv(out_dir / "per_sample.csv.gz", rows, CSV_ROW_FIELDS)  # removes a plain per_sample.csv
     write_csv(out_dir / "aggregate.csv", agg)
     return results

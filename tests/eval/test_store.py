@@ -10,7 +10,7 @@ import pytest
 from kvp_vllm.eval import cli
 from kvp_vllm.eval.store import (MixedStore, StoreDamaged, _scan, append_rows, compact, compress_folder,
                                  find, open_text, read_bytes, read_csv, read_rows, store_path, write_csv,
-                                 write_json)
+                                 dumps_readable, write_json)
 
 
 def rows(start, n):
@@ -130,8 +130,11 @@ def test_write_json_gz_replaces_a_stale_plain_copy(tmp_path):
     write_json(tmp_path / "compare.json.gz", obj)
     assert not (tmp_path / "compare.json").exists()
     assert json.loads(gzip.decompress((tmp_path / "compare.json.gz").read_bytes())) == obj
-    write_json(tmp_path / "plain.json", obj)  # plain name: readable JSON
-    assert json.loads((tmp_path / "plain.json").read_text()) == obj
+    write_json(tmp_path / "plain.json", obj)  # plain name: readable JSON, one aggregate row per line
+    text = (tmp_path / "plain.json").read_text()
+    assert json.loads(text) == obj and '{"rule": "kvp", "accuracy": 0.5}' in text.splitlines()[2]
+    nested = {"a": {"b": [1, 2], "rows": [{"x": 1}, {"x": [2]}]}, "empty": {}, "none": None}
+    assert json.loads(dumps_readable(nested)) == nested
 
 
 def test_compress_folder_migrates_once_and_reads_back(tmp_path, capsys):
