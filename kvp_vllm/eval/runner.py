@@ -5,7 +5,7 @@ Storage (in the output folder; the raw files gzip-compressed, see store.py):
                      sample (one gzip member each; rewritten as one member when a run ends)
   progress.log.gz    per-sample timings by stage (`zcat progress.log.gz | tail`)
   run.json           the settings the folder was started with (a resumed run must match them)
-  results.json       settings, what was measured (samples per task), aggregated rows, timings
+  results.json       settings, what was measured (samples per task), task averages, timings
   per_sample.csv.gz  the rows, flattened;  aggregate.csv  the aggregated rows;  plots (plots.py)
 A folder made before the raw files were compressed has plain rows.jsonl / progress.log: a resumed run
 keeps appending to those (`kvp-eval --compress-store --out FOLDER` migrates it once); readers take
@@ -544,7 +544,9 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
         "aggregate": agg,
         "task_average": task_average(rows),
     }
-    write_json(out_dir / "results.json", results)
+    # The aggregated rows go to aggregate.csv only (results.json names it): the same numbers twice
+    # would double the largest tracked result files. The returned dict carries them.
+    write_json(out_dir / "results.json", {**results, "aggregate": "aggregate.csv"})
     write_csv(out_dir / "per_sample.csv.gz", rows, CSV_ROW_FIELDS)  # removes a plain per_sample.csv
     write_csv(out_dir / "aggregate.csv", agg)
     return results

@@ -72,8 +72,10 @@ def test_run_outputs_and_resume(tmp_path, small_model, tokenizer):
     after = read_rows(tmp_path / "rows.jsonl")
     assert len({row_key(r) for r in after}) == len(after) == len(before) + 2 * 2 * 3 + 2 * 3
     assert {r["rule"] for r in after} - {r["rule"] for r in before.values()} == {"knorm"}
-    agg = json.loads((tmp_path / "results.json").read_text())["aggregate"]
-    assert any(a["rule"] == "knorm" and a["n"] == 2 for a in agg)
+    assert json.loads((tmp_path / "results.json").read_text())["aggregate"] == "aggregate.csv"
+    agg = read_csv(tmp_path / "aggregate.csv")
+    assert any(a["rule"] == "knorm" and a["n"] == "2" for a in agg)
+    assert any(a["rule"] == "knorm" and a["n"] == 2 for a in res["aggregate"])
 
 
 def _one_task_cfg(samples):
