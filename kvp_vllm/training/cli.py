@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
 
     f = sub.add_parser("fit", help="train a policy on collected traces")
-    f.add_argument("--traces", required=True)
+    f.add_argument("--traces", required=True, help="trace folder, or several comma separated (one "
+                                                   "set; each folder keeps its own train/val/test split)")
     f.add_argument("--out", required=True, help="checkpoint folder (config.json + policy.safetensors)")
     for name, fld in FitConfig.__dataclass_fields__.items():
         if name in ("traces", "out", "arch", "reference", "cache_traces"):
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-progress", action="store_true")
 
     e = sub.add_parser("evaluate", help="held-out normalised cost of KVP and every baseline")
-    e.add_argument("--traces", required=True)
+    e.add_argument("--traces", required=True, help="trace folder, or several comma separated")
     e.add_argument("--checkpoint", default=None, help="KVP policy folder (omit: baselines only)")
     e.add_argument("--split", default="test", choices=["test", "val", "train", "all"])
     e.add_argument("--max-traces", type=int, default=0)
@@ -120,10 +121,10 @@ def main(argv=None) -> int:
 def evaluate_cmd(args, command: str) -> None:
     from ..policy import KVPPolicy
     from ..scorers import rule_definition
-    from .collect import TraceSet
+    from .collect import open_traces
     from .evaluate import default_rules, evaluate_rules, markdown_table
 
-    traces = TraceSet(args.traces)
+    traces = open_traces(args.traces)
     policy = KVPPolicy.load(args.checkpoint, expect=traces.shape) if args.checkpoint else None
     ids = traces.split(args.split)
     if args.lengths:

@@ -336,3 +336,58 @@ class TraceSet:
         if name == "all":
             return list(self.trace_ids)
         return [t for t in self.trace_ids if which(t) == name]
+
+
+class TraceUnion:
+    """Several trace folders of one model read as one set (`kvp-train fit --traces A,B`): e.g. a
+    needle-heavy 1K-4K collection beside 8K essay continuations, each collected with its own settings.
+    Trace ids are `<folder index>/<id>`; every folder keeps its own train/val/test split."""
+
+    def __init__(self, sets: Sequence[TraceSet]):
+        if len(sets) < 2:
+            raise TraceError("a union needs at least two trace folders")
+        first = sets[0]
+        for other in sets[1:]:
+            other.check_model(first.shape)  # same layers, KV heads and head_dim, or a clear error
+            if other.shape.model_name != first.shape.model_name:
+                raise TraceError(f"{other.folder} holds traces of {other.shape.model_name!r}, "
+                                 f"{first.folder} of {first.shape.model_name!r}: one model per set")
+        self.sets = list(sets)
+        self.shape = first.shape
+        self.folder = ",".join(str(t.folder) for t in self.sets)
+        self.manifest = {"config": [t.manifest["config"] for t in self.sets],
+                         "model_path": first.manifest.get("model_path")}
+        self.trace_ids = [f"{i}/{tid}" for i, t in enumerate(self.sets) for tid in t.trace_ids]
+
+    def _resolve(self, tid: str):
+        i, _, inner = tid.partition("/")
+        if not i.isdigit() or int(i) >= len(self.sets) or not inner:
+            raise TraceError(f"{tid!r} is not a trace id of this union (expected <folder index>/<id>)")
+        return self.sets[int(i)], inner
+
+    def check_model(self, shape: ModelShape) -> None:
+        self.sets[0].check_model(shape)
+
+    def meta(self, tid: str) -> dict:
+        ts, inner = self._resolve(tid)
+        return ts.meta(inner)
+
+    def load(self, tid: str, layer: int, fields: Sequence[str] = FIELDS) -> Dict[str, torch.Tensor]:
+        ts, inner = self._resolve(tid)
+        return ts.load(inner, layer, fields)
+
+    def split(self, name: str) -> List[str]:
+        return [f"{i}/{tid}" for i, t in enumerate(self.sets) for tid in t.split(name)]
+
+
+def open_traces(spec: str | os.PathLike, verify: bool = True):
+    """One trace folder (TraceSet) or several, comma separated (TraceUnion)."""
+    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if not parts:
+        raise TraceError("no trace folder given")
+    if len(parts) == 1:
+        return TraceSet(parts[0], verify=verify)
+    if len(set(parts)) != len(parts):
+        raise TraceError(f"a trace folder is listed twice in {spec!r}")
+    return TraceUnion([TraceSet(p, verify=verify) for p in parts])
+

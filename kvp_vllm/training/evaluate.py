@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..scorers import BASELINE_RULES, QUERY_AWARE_RULES, LayerKV, Rope, make_scorer
-from .collect import TraceSet
+from .collect import TraceSet, TraceUnion
 from .objective import greedy_normalised_cost, middle
 
 BASELINES = BASELINE_RULES  # every servable rule but KVP, from the scorer registry
@@ -28,7 +28,7 @@ def layer_kv(data: Dict[str, torch.Tensor], layer: int, rope: Optional[Rope] = N
                    future_importance=data["importance"].float(), layer=layer, rope=rope)
 
 
-def traces_rope(traces: TraceSet) -> Optional[Rope]:
+def traces_rope(traces: TraceSet | TraceUnion) -> Optional[Rope]:
     """The rotary embedding of the model the traces were collected from (its folder's config), or None
     when that folder is gone (Expected Attention then refuses with a clear error)."""
     from ..capture import config_rope
@@ -38,7 +38,7 @@ def traces_rope(traces: TraceSet) -> Optional[Rope]:
 
 
 @torch.no_grad()
-def evaluate_rules(traces: TraceSet, ids: Sequence[str], rules: Dict[str, object],
+def evaluate_rules(traces: TraceSet | TraceUnion, ids: Sequence[str], rules: Dict[str, object],
                    layers: Optional[Sequence[int]] = None, progress: bool = False) -> Dict:
     """rules: name -> Scorer. Returns {"overall": {rule: cost}, "per_layer": {rule: [cost per layer]},
     "per_head": {rule: [[...]]}, "traces": n}. Means are over traces and heads (equal weight)."""

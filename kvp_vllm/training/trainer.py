@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..policy import CheckpointError, KVPPolicy, PolicyConfig, check_shape
 from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
-from .collect import TraceError, TraceSet
+from .collect import TraceError, TraceSet, TraceUnion, open_traces
 from .objective import greedy_normalised_cost, middle, rloo_loss
 
 LOG_NAME = "train_log.jsonl"
@@ -83,7 +83,7 @@ def parse_layers(spec: str, num_layers: int) -> range:
 class _Data:
     """Per-trace tensors for a contiguous range of layers, stacked as [layers*kv_heads, ...]."""
 
-    def __init__(self, traces: TraceSet, layers: range, cache: bool):
+    def __init__(self, traces: TraceSet | TraceUnion, layers: range, cache: bool):
         self.traces, self.layers, self.cache = traces, layers, cache
         self._mem: Dict[str, Dict[str, torch.Tensor]] = {}
 
@@ -216,7 +216,7 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
     world, rank, local = _dist_info()
     device = _device(cfg.device, local)
     use_bf16(cfg.precision, device)  # a bad --precision fails before anything is read or written
-    traces = TraceSet(cfg.traces)  # errors out on a missing/corrupt manifest before anything is written
+    traces = open_traces(cfg.traces)  # errors out on a missing/corrupt manifest before anything is written
     shape = traces.shape
     layers = parse_layers(cfg.layers, shape.num_layers)
     h = shape.num_kv_heads

@@ -12,7 +12,7 @@ import torch
 from kvp_vllm.policy import CheckpointError, KVPPolicy, ModelShape
 from kvp_vllm.scorers import BASELINE_RULES, rule_definition
 from kvp_vllm.training import cli
-from kvp_vllm.training.collect import TraceSet
+from kvp_vllm.training.collect import CollectConfig, TraceError, TraceSet, TraceUnion, collect, open_traces
 from kvp_vllm.training.trainer import FitConfig, fit, parse_layers
 
 
@@ -29,6 +29,36 @@ def test_fit_writes_a_loadable_policy_log_and_plot(tiny_traces, tmp_path):
     assert (out / "train_curve.png").stat().st_size > 1000
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     assert policy.config.num_layers == 3
+
+
+def test_fit_and_evaluate_on_two_trace_folders(tiny_traces, tmp_path):
+    """`--traces A,B`: one set whose ids name their folder, each folder keeping its own split; a fit
+    trains on both folders' train traces; folders of another model are refused."""
+    more = tmp_path / "more"
+    collect(CollectConfig(model="tiny-llama", lengths=(640,), num_traces=8, answer_tokens=4, window=16,
+                          traces_per_shard=4, tasks=("essay_qa",), seed=2_000_000), more, progress=False)
+    union = open_traces(f"{tiny_traces},{more}")
+    assert isinstance(union, TraceUnion) and union.shape == TraceSet(tiny_traces).shape
+    assert union.split("train") == [f"0/{t}" for t in TraceSet(tiny_traces).split("train")] + \
+        [f"1/{t}" for t in TraceSet(more).split("train")]
+    assert union.meta("1/t00001")["target_tokens"] == 640
+    assert torch.equal(union.load("1/t00001", 0)["keys"], TraceSet(more).load("t00001", 0)["keys"])
+    out = fit(FitConfig(traces=f"{tiny_traces},{more}", out=str(tmp_path / "ckpt"), steps=2, batch=2,
+                        samples=4, warmup=1, eval_every=2), progress=False)
+    extra = json.loads((out / "config.json").read_text())["extra"]
+    assert extra["train_traces"] == 12 + 6 and extra["val_traces"] == 2 + 1
+    assert len(extra["trace_manifest_config"]) == 2
+    assert cli.main(["evaluate", "--traces", f"{tiny_traces},{more}", "--split", "test", "--lengths", "640",
+                     "--no-progress"]) == 0
+    other = tmp_path / "qwen"
+    collect(CollectConfig(model="tiny-qwen2", lengths=(512,), num_traces=1, answer_tokens=2, window=16,
+                          traces_per_shard=1, tasks=("essay_qa",), seed=2_000_100), other, progress=False)
+    with pytest.raises(TraceError, match="come from"):
+        open_traces(f"{tiny_traces},{other}")
+    with pytest.raises(TraceError, match="listed twice"):
+        open_traces(f"{more},{more}")
+    with pytest.raises(TraceError, match="not a trace id"):
+        union.load("7/t00001", 0)
 
 
 def test_bf16_autocast_path_trains_an_fp32_policy(tiny_traces, tmp_path):
