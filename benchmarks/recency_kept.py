@@ -16,7 +16,6 @@ The oracle's row shows what the answer actually needed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

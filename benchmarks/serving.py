@@ -54,6 +54,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from kvp_vllm.eval.store import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_NAME = "smol"
@@ -436,14 +438,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_json(report: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    from kvp_vllm.eval.store import dumps_readable
-
-    tmp.write_text(dumps_readable(report))
-    tmp.replace(path)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The three-run synthetic modes (--gpu, --gpu-rehearsal)
 
@@ -610,11 +604,11 @@ def _three_runs(args, cfg: dict, stem: str, tmp: Path) -> int:
             report["ratios"] = {f"{k}/plain": ratios_vs(v, ok["plain"])
                                 for k, v in ok.items() if k != "plain"}
         report["targets"] = targets(ok, report["ratios"])
-        write_json(report, json_path)
+        write_json(json_path, report)
         log(f"wrote {json_path} ({len(report['runs'])}/{len(labels)} runs)")
     report["complete"] = failed == 0
     report["total_wall_s"] = time.perf_counter() - T0
-    write_json(report, json_path)
+    write_json(json_path, report)
     try:
         plot(report, out / f"{stem}.png")
     except ImportError as e:
@@ -744,7 +738,7 @@ def two_runs(args, cfg: dict) -> int:
                               output_tokens_per_s=ratio("output_tokens_per_s"),
                               ttft_p50=ratio("ttft_p50"), peak_blocks_used=ratio("peak_blocks_used")))
     stem = "serving_quick" if args.quick else "serving"
-    write_json(report, args.out / f"{stem}.json")
+    write_json(args.out / f"{stem}.json", report)
     plot(report, args.out / f"{stem}.png")
     print(f"\n{'':<22}{'no eviction':>14}{ev['label']:>18}{'ratio':>9}")
     for key in ("peak_running", "peak_decoding_client", "preemptions", "peak_waiting", "output_tokens_per_s",

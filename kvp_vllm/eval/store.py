@@ -289,28 +289,28 @@ def write_csv(path: PathLike, rows: List[Dict], fields: Optional[List[str]] = No
     w.writeheader()
     for r in rows:
         w.writerow(r)
+    _write_file(path, buf.getvalue())
+
+
+def _write_file(path: Path, text: str) -> None:
+    """text written atomically; gzip (one member) when the name ends in .gz, and then a stale plain
+    copy of the same name is removed."""
+    data = text.encode("utf-8")
     if is_gz(path):
-        _write_atomic(path, _gzip_member(buf.getvalue().encode("utf-8")))
+        _write_atomic(path, _gzip_member(data))
         plain = _pair(path)[0]
         if plain.exists():
             plain.unlink()
     else:
-        with open(path, "w", newline="") as f:
-            f.write(buf.getvalue())
+        _write_atomic(path, data)
 
 
 def write_json(path: PathLike, obj) -> None:
-    """obj as JSON (plain: indented, one aggregate row per line); gzip (one member, compact) when the
-    name ends in .gz, and then a stale plain copy of the same name is removed. Large report summaries (compare/stronger tables) go compressed: every GPU
-    transfer carries the tracked tree."""
+    """obj as JSON, written atomically (plain: indented, one aggregate row per line; .gz: compact, one
+    gzip member, a stale plain copy removed). Large report summaries (compare/stronger tables) go
+    compressed: every GPU transfer carries the tracked tree."""
     path = Path(path)
-    if is_gz(path):
-        _write_atomic(path, _gzip_member(json.dumps(obj).encode("utf-8")))
-        plain = _pair(path)[0]
-        if plain.exists():
-            plain.unlink()
-    else:
-        path.write_text(dumps_readable(obj))
+    _write_file(path, json.dumps(obj) if is_gz(path) else dumps_readable(obj))
 
 
 def dumps_readable(obj) -> str:

@@ -365,9 +365,6 @@ class TraceUnion:
             raise TraceError(f"{tid!r} is not a trace id of this union (expected <folder index>/<id>)")
         return self.sets[int(i)], inner
 
-    def check_model(self, shape: ModelShape) -> None:
-        self.sets[0].check_model(shape)
-
     def meta(self, tid: str) -> dict:
         ts, inner = self._resolve(tid)
         return ts.meta(inner)
