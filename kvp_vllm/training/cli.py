@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-traces", type=int, default=d.num_traces)
     c.add_argument("--answer-tokens", type=int, default=d.answer_tokens)
     c.add_argument("--window", type=int, default=d.window, help="last prompt queries kept (TOVA/SnapKV eval)")
+    c.add_argument("--decode-tokens", type=int, default=d.decode_tokens,
+                   help="first let the model write this many tokens of its own (greedy, EOS banned) and "
+                        "store the cache mid-generation: prompt + own text (decode-time training data)")
     c.add_argument("--tasks", type=_strs, default=d.tasks)
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--traces-per-shard", type=int, default=d.traces_per_shard)
@@ -98,6 +101,7 @@ def main(argv=None) -> int:
 
             cfg = CollectConfig(model=args.model, lengths=args.lengths, num_traces=args.num_traces,
                                 answer_tokens=args.answer_tokens, window=args.window, tasks=args.tasks,
+                                decode_tokens=args.decode_tokens,
                                 seed=args.seed, traces_per_shard=args.traces_per_shard,
                                 max_disk_gb=args.max_disk_gb, dtype=args.dtype, device=args.device)
             out = collect(cfg, args.out, progress=not args.no_progress)

@@ -8,6 +8,11 @@ answer, and store per layer and KV head what training and evaluation need:
   window_queries [q_heads, W, d]     post-RoPE queries of the last W prompt tokens (bf16), only so the
                                      query-aware baselines (TOVA, SnapKV) can be evaluated on the traces
 
+With `decode_tokens` G > 0 the model first writes G tokens of its own (greedy, EOS banned, the long-
+generation harness's `greedy_continuation`) and the trace's "prompt" is the prompt plus those G tokens:
+the cache a server re-compacts in the middle of a long generation, whose future is more of the
+model's own text.
+
 Layout: <out>/manifest.json and <out>/layer_LL/shard_SSSSS.safetensors (one file per layer and shard of
 traces; tensor names "<trace_id>.<field>"), so training can stream one layer's data. Each shard's files
 are written under temporary names, renamed, and only then recorded (with sha256 and size) in the
@@ -48,6 +53,7 @@ class CollectConfig:
     num_traces: int = 160
     answer_tokens: int = 48
     window: int = 64                     # queries kept for TOVA/SnapKV evaluation
+    decode_tokens: int = 0               # own greedy tokens appended to the prompt (mid-generation cache)
     tasks: Sequence[str] = prompts.DEFAULT_MIX
     seed: int = prompts.TRAIN_SEED_BASE  # trace i uses seed + i
     traces_per_shard: int = 8
@@ -103,20 +109,27 @@ def plan(cfg: CollectConfig) -> List[dict]:
 
 
 @torch.no_grad()
-def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int) -> dict:
+def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, decode_tokens: int = 0) -> dict:
     """One trace: prefill the prompt (capturing the last `window` queries), decode greedily, capturing
-    each answer token's queries, then compute the future importance per layer."""
+    each answer token's queries, then compute the future importance per layer. With `decode_tokens`,
+    the model's own greedy continuation of that many tokens is appended to the prompt first."""
     from ..capture import forward_capture
 
     ids = item.get("prompt_ids") or prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
                                                         item["seed"])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    generated: List[int] = []
+    if decode_tokens:
+        from ..eval.longgen import greedy_continuation
+
+        generated = greedy_continuation(model, ids, decode_tokens, banned=[] if eos is None else [eos])
+        ids = list(ids) + generated
     n = len(ids)
     device = next(model.parameters()).device
     pre = forward_capture(model, torch.tensor([ids], device=device), query_last=window)
     keys = [k.clone() for k in pre.keys]        # prompt keys/values (the cache grows in place later)
     values = [v.clone() for v in pre.values]
     wq = [q.clone() for q in pre.queries]
-    eos = getattr(tokenizer, "eos_token_id", None)
     answer, answer_q = [], [[] for _ in keys]
     cache, logits = pre.cache, pre.logits
     for _ in range(answer_tokens):
@@ -130,7 +143,7 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int) -
         if eos is not None and tok == eos:
             break
     full_keys = step.keys
-    out = {"n_prompt": n, "n_answer": len(answer), "answer": answer,
+    out = {"n_prompt": n, "n_answer": len(answer), "answer": answer, "generated": generated,
            "layers": []}
     for l in range(len(keys)):
         q = torch.cat(answer_q[l], dim=1)  # [q_heads, F, d]
@@ -149,8 +162,8 @@ def _write_json_atomic(path: Path, obj) -> None:
 
 def _config_key(cfg: dict) -> dict:
     """Settings that must match to resume into an existing folder."""
-    return {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed",
-                                    "traces_per_shard")}
+    key = {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed", "traces_per_shard")}
+    return {**key, "decode_tokens": cfg.get("decode_tokens", 0)}  # folders from before it: 0
 
 
 def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -> Path:
@@ -158,8 +171,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    if cfg.answer_tokens < 1 or cfg.num_traces < 1 or min(cfg.lengths) < 32:
-        raise TraceError("need answer_tokens >= 1, num_traces >= 1 and every length >= 32")
+    if cfg.answer_tokens < 1 or cfg.num_traces < 1 or min(cfg.lengths) < 32 or cfg.decode_tokens < 0:
+        raise TraceError("need answer_tokens >= 1, num_traces >= 1, every length >= 32 and decode_tokens >= 0")
     if cfg.seed < prompts.TRAIN_SEED_BASE:
         raise TraceError(f"--seed must be at least {prompts.TRAIN_SEED_BASE}: smaller seeds are the "
                          f"evaluation harness's, and training on its samples would leak them")
@@ -217,7 +230,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
             break
         traces = []
         for item in batch:
-            traces.append((item, collect_one(model, tokenizer, item, cfg.answer_tokens, cfg.window)))
+            traces.append((item, collect_one(model, tokenizer, item, cfg.answer_tokens, cfg.window,
+                                                 cfg.decode_tokens)))
             bar.update(1)
         files, staged = {}, []
         try:
@@ -243,7 +257,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
             meta = {k: v for k, v in item.items() if k != "prompt_ids"}
             manifest["traces"][item["id"]] = {**meta, "shard": s, "n_prompt": tr["n_prompt"],
                                               "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
-                                              "answer": tokenizer.decode(tr["answer"])}
+                                              "answer": tokenizer.decode(tr["answer"]),
+                                              **({"generated_ids": tr["generated"]} if tr["generated"] else {})}
         manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})
         used += sum(f["bytes"] for f in files.values())
         manifest["bytes"] = used

@@ -146,3 +146,33 @@ def test_real_model_collection_smoke(tmp_path):
     assert d["keys"].shape == (3, n, 64) and torch.isfinite(d["importance"]).all()
     # each answer query adds at most 1 per query head of the group (max over 3 heads): <= 3 x 2 queries
     assert 0 < float(d["importance"].sum(1).max()) <= 3 * 2 + 1e-3
+
+
+def test_decode_tokens_store_the_cache_mid_generation(tmp_path):
+    """--decode-tokens G: the trace's context is the prompt plus the model's own G greedy tokens (EOS
+    banned), and the importance is that of the answer written after them, as one forward computes it."""
+    from kvp_vllm.eval.longgen import greedy_continuation
+
+    cfg = CollectConfig(model="tiny-llama", lengths=(64,), num_traces=2, answer_tokens=4, window=8,
+                        traces_per_shard=2, tasks=("essay_qa",), decode_tokens=24)
+    out = collect(cfg, tmp_path / "gen", progress=False)
+    ts = TraceSet(out)
+    model, tok, _ = load_model(resolve_model("tiny-llama"))
+    for tid in ts.trace_ids:
+        meta = ts.meta(tid)
+        prompt = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
+        own = greedy_continuation(model, prompt, 24)
+        assert meta["generated_ids"] == own and meta["n_prompt"] == len(prompt) + 24
+        full = torch.tensor([prompt + own + meta["answer_ids"]])
+        cap = forward_capture(model, full, query_last=meta["n_answer"])
+        for layer in range(3):
+            d = ts.load(tid, layer)
+            assert d["keys"].shape[1] == meta["n_prompt"]
+            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
+            assert torch.allclose(d["importance"], c, atol=2e-4), (layer, (d["importance"] - c).abs().max())
+    cfg.decode_tokens = 0  # another setting: no silent mix of mid-generation and prompt-only traces
+    with pytest.raises(TraceError, match="other settings"):
+        collect(cfg, out, progress=False)
+    cfg.decode_tokens = -1
+    with pytest.raises(TraceError, match="decode_tokens >= 0"):
+        collect(cfg, tmp_path / "neg", progress=False)
