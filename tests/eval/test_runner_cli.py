@@ -444,3 +444,40 @@ def test_budget_parsing_follows_the_protect_mode():
     assert cli.parse_budgets("8,2", "none") == [8, 2]
     with pytest.raises(ValueError, match="at least 20"):
         cli.parse_budgets("8", "paper")
+
+
+def test_import_policy_rows_appends_once_and_only_on_the_same_prompts(tmp_path):
+    """benchmarks/import_policy_rows.py: the source policy's KVP rows are appended to a folder on the
+    same prompts and then reported there; a second run appends nothing; other prompts are refused."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvp_vllm.eval.runner import RowMismatch, current_rows, read_rows
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "import_policy_rows.py"
+    spec = importlib.util.spec_from_file_location("import_policy_rows", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def folder(name, sha, rules, prompt_tokens=250):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": sha}}))
+        (d / "run.json").write_text(json.dumps({"identity": {"model": "m", "seed": 0, "window": 64,
+                                                             "protect": "paper"}}))
+        rows = [_synthetic(r, i, True, prompt_tokens=prompt_tokens, protect="paper",
+                           **({"checkpoint_sha256": sha, "rule_def": "v1"} if r == "kvp" else {}))
+                for i in range(2) for r in ["full"] + rules]
+        (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    into, source = folder("into", "old", ["kvp"]), folder("source", "new", ["kvp"])
+    assert mod.main(["--source", str(source), "--into", str(into)]) == 0
+    (into / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": "new"}}))
+    reported = [r for r in current_rows(read_rows(into / "rows.jsonl"), "new") if r["rule"] == "kvp"]
+    assert sorted(r["index"] for r in reported) == [0, 1] and {r["checkpoint_sha256"] for r in reported} == {"new"}
+    assert mod.rows_to_import(source, into) == []
+    other = folder("other", "new2", ["kvp"], prompt_tokens=251)
+    with pytest.raises(RowMismatch):
+        mod.rows_to_import(other, into)
+    assert mod.main(["--source", str(other), "--into", str(into)]) == 2
