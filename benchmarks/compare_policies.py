@@ -17,7 +17,6 @@ samples both folders have), compare.json.gz and the usual plots.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvp_vllm.eval.plots import plot_all  # noqa: E402
-from kvp_vllm.eval.runner import (RowMismatch, aggregate, checkpoint_sha256, complete_rows,  # noqa: E402
+from kvp_vllm.eval.runner import (RowMismatch, aggregate, folder_policy_sha256, complete_rows,  # noqa: E402
                                   current_rows, markdown_summary, merge_policy_rows, read_rows,
                                   task_average, task_average_table)
 from kvp_vllm.eval.store import MixedStore, write_json  # noqa: E402
@@ -33,8 +32,7 @@ from kvp_vllm.eval.store import MixedStore, write_json  # noqa: E402
 
 def folder_rows(folder: Path):
     """A folder's current rows: KVP rows of the policy its results.json names."""
-    res = json.loads((folder / "results.json").read_text())
-    sha = res["settings"].get("checkpoint_weights_sha256") or checkpoint_sha256(res["settings"].get("checkpoint"))
+    sha = folder_policy_sha256(folder)
     try:
         rows = current_rows(read_rows(folder / "rows.jsonl"), sha)  # rows.jsonl.gz or a plain rows.jsonl
     except MixedStore as e:

@@ -18,7 +18,6 @@ full-cache rows must agree); only the samples both folders have with every rule 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvp_vllm.eval.runner import (FULL, RowMismatch, _budget_sort, aggregate, checkpoint_sha256,  # noqa: E402
+from kvp_vllm.eval.runner import (FULL, RowMismatch, _budget_sort, aggregate, folder_policy_sha256,  # noqa: E402
                                   complete_rows, current_rows, merge_rows, read_rows, stored_identity,
                                   task_average, task_average_table)
 from kvp_vllm.eval.store import write_json  # noqa: E402
@@ -39,8 +38,7 @@ def folder_rows(folder: Path, protect: str) -> List[Dict]:
     ident = stored_identity(folder)
     if ident is None or ident.get("protect") != protect:
         raise SystemExit(f"stronger_variants: {folder} is not a --protect {protect} folder ({ident})")
-    res = json.loads((folder / "results.json").read_text())
-    sha = res["settings"].get("checkpoint_weights_sha256") or checkpoint_sha256(res["settings"].get("checkpoint"))
+    sha = folder_policy_sha256(folder)
     rows = current_rows(read_rows(folder / "rows.jsonl"), sha, protect)
     if not rows:
         raise SystemExit(f"stronger_variants: no rows in {folder}")

@@ -228,6 +228,13 @@ def checkpoint_sha256(checkpoint: Optional[str]) -> Optional[str]:
     return json.loads(path.read_text()).get("weights_sha256") if path.exists() else None
 
 
+def folder_policy_sha256(folder: Path) -> Optional[str]:
+    """The KVP policy a result folder reports: the sha256 its results.json records (older folders: the
+    one of the checkpoint it names)."""
+    settings = json.loads((Path(folder) / "results.json").read_text())["settings"]
+    return settings.get("checkpoint_weights_sha256") or checkpoint_sha256(settings.get("checkpoint"))
+
+
 def row_definition(r: Dict) -> str:
     """The definition of the rule that made a row (rows from before the field: LEGACY_DEFINITION)."""
     return r.get("rule_def", LEGACY_DEFINITION)
