@@ -3,6 +3,10 @@ training objective and the evaluation of rankings.
 
 c_i = sum over answer queries t of max over the KV head's query group of A_q[t, i]  (fp32 softmax)
 cost(sigma) = sum_k k * c_{sigma_k}: the attention mass evicted, summed over every budget b = 0..n-1.
+An optional budget weighting (training only; the reported held-out costs are the paper's, uniform)
+weighs budget b = 1..n-1 by w(b) (b = 0 evicts everything whatever the ranking): "log" (w = 1/b,
+log-uniform over budgets) turns the rank weight k into the harmonic number H_k, so the smallest budgets
+carry more of the signal.
 """
 
 from __future__ import annotations
@@ -37,16 +41,31 @@ def future_importance(answer_queries: torch.Tensor, keys: torch.Tensor, n_prompt
     return total
 
 
-def ranking_cost(ranking: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-    """cost(sigma) = sum_k k * c[sigma_k]; ranking, importance [..., n] -> [...]."""
-    ranks = torch.arange(ranking.shape[-1], device=ranking.device, dtype=torch.float32)
-    return (torch.gather(importance.float(), -1, ranking) * ranks).sum(-1)
+BUDGET_WEIGHTINGS = ("uniform", "log")
 
 
-def oracle_cost(importance: torch.Tensor) -> torch.Tensor:
+def rank_weights(n: int, weighting: str = "uniform", device=None) -> torch.Tensor:
+    """Cost weight of rank k (0-based) = sum of w(b) over the budgets 1 <= b <= k that evict it: k for
+    "uniform" (w = 1, the paper), H_k = 1 + 1/2 + ... + 1/k for "log" (w = 1/b). Non-decreasing in k, so the oracle
+    ranking (c sorted descending) stays optimal for either."""
+    ranks = torch.arange(n, device=device, dtype=torch.float32)
+    if weighting == "uniform":
+        return ranks
+    if weighting == "log":
+        return torch.cat([ranks.new_zeros(1), torch.cumsum(1.0 / (ranks[:-1] + 1.0), 0)])[:n]
+    raise ValueError(f"budget weighting must be one of {', '.join(BUDGET_WEIGHTINGS)}; got {weighting!r}")
+
+
+def ranking_cost(ranking: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
+    """cost(sigma) = sum_k W(k) * c[sigma_k] (W(k) = k by default); ranking, importance [..., n] -> [...]."""
+    w = rank_weights(ranking.shape[-1], weighting, ranking.device)
+    return (torch.gather(importance.float(), -1, ranking) * w).sum(-1)
+
+
+def oracle_cost(importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
     """The minimal cost: c sorted descending (rearrangement inequality)."""
-    ranks = torch.arange(importance.shape[-1], device=importance.device, dtype=torch.float32)
-    return (importance.float().sort(dim=-1, descending=True).values * ranks).sum(-1)
+    w = rank_weights(importance.shape[-1], weighting, importance.device)
+    return (importance.float().sort(dim=-1, descending=True).values * w).sum(-1)
 
 
 def normalised_cost(ranking: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:

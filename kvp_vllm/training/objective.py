@@ -51,17 +51,18 @@ def plackett_luce_log_prob(scores: torch.Tensor, rankings: torch.Tensor) -> torc
     return (ordered - tail_lse).sum(-1)
 
 
-def normalised_costs(rankings: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+def normalised_costs(rankings: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
     """cost(sigma) / cost(sigma*) for rankings [K, ..., n] (or [..., n]) of importance [..., n]."""
     c = importance.float()
     if rankings.dim() == c.dim() + 1:
         c = c.expand(rankings.shape)
-    return ranking_cost(rankings, c) / oracle_cost(importance).clamp_min(1e-12)
+    return ranking_cost(rankings, c, weighting) / oracle_cost(importance, weighting).clamp_min(1e-12)
 
 
-def rewards(rankings: torch.Tensor, importance: torch.Tensor, floor: float = REWARD_FLOOR) -> torch.Tensor:
+def rewards(rankings: torch.Tensor, importance: torch.Tensor, floor: float = REWARD_FLOOR,
+            weighting: str = "uniform") -> torch.Tensor:
     """R = -cost/cost*, clamped at `floor` (-200): oracle = -1."""
-    return (-normalised_costs(rankings, importance)).clamp_min(floor)
+    return (-normalised_costs(rankings, importance, weighting)).clamp_min(floor)
 
 
 def rloo_advantages(r: torch.Tensor, clip: float = 2.0, normalise: bool = True,
@@ -82,15 +83,17 @@ def rloo_advantages(r: torch.Tensor, clip: float = 2.0, normalise: bool = True,
 
 def rloo_loss(scores: torch.Tensor, importance: torch.Tensor, samples: int = 8, clip: float = 2.0,
               generator: Optional[torch.Generator] = None,
-              mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+              mask: Optional[torch.Tensor] = None,
+              weighting: str = "uniform") -> Tuple[torch.Tensor, Dict[str, float]]:
     """REINFORCE-RLOO loss for scores, importance [..., n] (already restricted to the rankable tokens).
 
     loss = -mean over samples and problems of A * log p(sigma) / n (the 1/n keeps the loss scale
     independent of the prompt length; Adam is insensitive to it). `mask` [...] (bool) drops problems.
+    `weighting`: the cost's budget weighting (`kvp_vllm.importance.rank_weights`).
     Returns the loss and detached statistics (mean sampled normalised cost, greedy normalised cost)."""
     rankings = gumbel_rankings(scores, samples, generator)
     with torch.no_grad():
-        r = rewards(rankings, importance)
+        r = rewards(rankings, importance, weighting=weighting)
         adv = rloo_advantages(r, clip=clip)
     logp = plackett_luce_log_prob(scores, rankings) / scores.shape[-1]
     per = -(adv * logp)  # [K, ...]
@@ -101,12 +104,12 @@ def rloo_loss(scores: torch.Tensor, importance: torch.Tensor, samples: int = 8, 
         loss = per.mean()
     with torch.no_grad():
         greedy = torch.argsort(scores.detach().float(), dim=-1, descending=True, stable=True)
-        stats = {"sampled_cost": float(-r.mean()), "greedy_cost": float(normalised_costs(greedy, importance).mean())}
+        stats = {"sampled_cost": float(-r.mean()), "greedy_cost": float(normalised_costs(greedy, importance, weighting).mean())}
     return loss, stats
 
 
-def greedy_normalised_cost(scores: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+def greedy_normalised_cost(scores: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
     """cost/cost* of the deterministic ranking (stable descending sort, lower index first on ties, as
     `kvp_vllm.selection.rank_tokens` does) -> [...]."""
     order = torch.argsort(scores.float(), dim=-1, descending=True, stable=True)
-    return normalised_costs(order, importance)
+    return normalised_costs(order, importance, weighting)

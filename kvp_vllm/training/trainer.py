@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..importance import rank_weights
 from ..policy import CheckpointError, KVPPolicy, PolicyConfig, check_shape
 from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
 from .collect import TraceError, TraceSet, TraceUnion, open_traces
@@ -64,6 +65,8 @@ class FitConfig:
     cache_traces: bool = True      # keep the training traces in memory after their first read
     max_tokens: int = 0            # >0: rank a random subset of this many unprotected tokens per trace
                                    # and step (cheaper steps; the subset's cost is a noisy proxy)
+    budget_weighting: str = "uniform"  # the cost's weight per budget: "uniform" (the paper) or "log"
+                                   # (log-uniform: small budgets count more); training and model selection
 
 
 def parse_layers(spec: str, num_layers: int) -> range:
@@ -145,7 +148,8 @@ def trace_loss(model, data: Dict[str, torch.Tensor], groups: slice, cfg: FitConf
         keys, values, c, pos = keys[:, idx], values[:, idx], c[:, idx], pos[idx]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16(cfg.precision, device)):
         scores = model(keys, values, pos, n, groups)
-    return rloo_loss(scores.float(), c, samples=cfg.samples, clip=cfg.adv_clip, generator=generator)
+    return rloo_loss(scores.float(), c, samples=cfg.samples, clip=cfg.adv_clip, generator=generator,
+                     weighting=cfg.budget_weighting)
 
 
 @torch.no_grad()
@@ -160,7 +164,7 @@ def validate(policy: KVPPolicy, data: _Data, ids: Sequence[str], groups: slice, 
         mid = middle(n, cfg.n_sink, cfg.n_recent)
         pos = torch.arange(n, device=device)[mid]
         s = policy(d["keys"][:, mid].to(device), d["values"][:, mid].to(device), pos, n, groups)
-        cost = greedy_normalised_cost(s, d["importance"][:, mid].to(device)).double().cpu()
+        cost = greedy_normalised_cost(s, d["importance"][:, mid].to(device), cfg.budget_weighting).double().cpu()
         per_layer += cost.view(-1, h).mean(1)
     per_layer /= max(len(ids), 1)
     return {"val_cost": float(per_layer.mean()), "val_cost_per_layer": [round(float(x), 4) for x in per_layer]}
@@ -216,6 +220,7 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
     world, rank, local = _dist_info()
     device = _device(cfg.device, local)
     use_bf16(cfg.precision, device)  # a bad --precision fails before anything is read or written
+    rank_weights(1, cfg.budget_weighting)  # so does a bad --budget-weighting
     traces = open_traces(cfg.traces)  # errors out on a missing/corrupt manifest before anything is written
     shape = traces.shape
     layers = parse_layers(cfg.layers, shape.num_layers)

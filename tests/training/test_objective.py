@@ -66,6 +66,26 @@ def test_cost_is_evicted_mass_summed_over_every_budget_and_oracle_is_minimal():
     assert rewards(c.argsort(descending=True), c).item() == pytest.approx(-1.0)
 
 
+def test_log_budget_weighting_is_the_weighted_sum_over_budgets_and_keeps_the_oracle_optimal():
+    """--budget-weighting log: budget b (1..n-1) weighs 1/b; the oracle order is still the cheapest."""
+    torch.manual_seed(2)
+    c = torch.rand(5)
+    costs = []
+    for p in itertools.permutations(range(5)):
+        p = torch.tensor(p)
+        brute = sum(float(c[p[b:]].sum()) / b for b in range(1, 5))
+        assert ranking_cost(p, c, "log").item() == pytest.approx(brute, abs=1e-5)
+        costs.append(ranking_cost(p, c, "log").item())
+    assert oracle_cost(c, "log").item() == pytest.approx(min(costs), abs=1e-6)
+    # a different objective from the paper's: the two weightings order some rankings differently
+    perms = [torch.tensor(p) for p in itertools.permutations(range(5))]
+    uni = [ranking_cost(p, c).item() for p in perms]
+    assert any((uni[i] < uni[j]) != (costs[i] < costs[j]) for i in range(len(perms)) for j in range(i))
+    assert rewards(c.argsort(descending=True), c, weighting="log").item() == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="budget weighting"):
+        ranking_cost(perms[0], c, "linear")
+
+
 def test_reward_is_clamped():
     c = torch.tensor([1.0, 1e-9, 0.0, 0.0])
     worst = torch.tensor([3, 2, 1, 0])

@@ -115,6 +115,18 @@ def test_cli_bad_inputs(tiny_traces, tmp_path, capsys):
     assert rc == 2 and "not a trace folder" in capsys.readouterr().err and not (tmp_path / "o2").exists()
     rc = cli.main(["collect", "--model", str(tmp_path / "missing-model"), "--out", str(tmp_path / "t")])
     assert rc == 2 and "unknown model" in capsys.readouterr().err and not (tmp_path / "t").exists()
+    rc = cli.main(["fit", "--traces", str(tiny_traces), "--out", str(tmp_path / "o3"), "--budget-weighting", "lin"])
+    assert rc == 2 and "budget weighting" in capsys.readouterr().err and not (tmp_path / "o3").exists()
+
+
+def test_fit_with_log_budget_weighting(tiny_traces, tmp_path):
+    """--budget-weighting log trains and selects on the log-weighted cost, recorded in the checkpoint."""
+    out = fit(FitConfig(traces=str(tiny_traces), out=str(tmp_path / "ckpt"), steps=3, batch=2, samples=4,
+                        warmup=1, eval_every=3, budget_weighting="log"), progress=False)
+    extra = json.loads((out / "config.json").read_text())["extra"]
+    assert extra["fit_config"]["budget_weighting"] == "log"
+    vals = [json.loads(l)["val_cost"] for l in (out / "train_log.jsonl").read_text().splitlines() if "val_cost" in l]
+    assert len(vals) == 2 and all(v >= 1.0 - 1e-6 for v in vals)
 
 
 def test_cli_evaluate_table(tiny_traces, tmp_path):
