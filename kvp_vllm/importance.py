@@ -48,12 +48,16 @@ def rank_weights(n: int, weighting: str = "uniform", device=None) -> torch.Tenso
     """Cost weight of rank k (0-based) = sum of w(b) over the budgets 1 <= b <= k that evict it: k for
     "uniform" (w = 1, the paper), H_k = 1 + 1/2 + ... + 1/k for "log" (w = 1/b). Non-decreasing in k, so the oracle
     ranking (c sorted descending) stays optimal for either."""
+    check_budget_weighting(weighting)
     ranks = torch.arange(n, device=device, dtype=torch.float32)
     if weighting == "uniform":
         return ranks
-    if weighting == "log":
-        return torch.cat([ranks.new_zeros(1), torch.cumsum(1.0 / (ranks[:-1] + 1.0), 0)])[:n]
-    raise ValueError(f"budget weighting must be one of {', '.join(BUDGET_WEIGHTINGS)}; got {weighting!r}")
+    return torch.cat([ranks.new_zeros(1), torch.cumsum(1.0 / (ranks[:-1] + 1.0), 0)])[:n]  # H_k
+
+
+def check_budget_weighting(weighting: str) -> None:
+    if weighting not in BUDGET_WEIGHTINGS:
+        raise ValueError(f"budget weighting must be one of {', '.join(BUDGET_WEIGHTINGS)}; got {weighting!r}")
 
 
 def ranking_cost(ranking: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
@@ -68,6 +72,10 @@ def oracle_cost(importance: torch.Tensor, weighting: str = "uniform") -> torch.T
     return (importance.float().sort(dim=-1, descending=True).values * w).sum(-1)
 
 
-def normalised_cost(ranking: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-    """cost / cost*: 1.0 = oracle, lower is better (the paper's reward is its negative)."""
-    return ranking_cost(ranking, importance) / oracle_cost(importance).clamp_min(1e-12)
+def normalised_cost(ranking: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
+    """cost / cost*: 1.0 = oracle, lower is better (the paper's reward is its negative). ranking [..., n]
+    or [K, ..., n] (K sampled rankings of the same importance [..., n])."""
+    c = importance.float()
+    if ranking.dim() == c.dim() + 1:
+        c = c.expand(ranking.shape)
+    return ranking_cost(ranking, c, weighting) / oracle_cost(importance, weighting).clamp_min(1e-12)

@@ -41,26 +41,32 @@ def traces_rope(traces: TraceSet | TraceUnion) -> Optional[Rope]:
 def evaluate_rules(traces: TraceSet | TraceUnion, ids: Sequence[str], rules: Dict[str, object],
                    layers: Optional[Sequence[int]] = None, progress: bool = False) -> Dict:
     """rules: name -> Scorer. Returns {"overall": {rule: cost}, "per_layer": {rule: [cost per layer]},
-    "per_head": {rule: [[...]]}, "traces": n}. Means are over traces and heads (equal weight)."""
+    "per_head": {rule: [[...]]}, "per_trace": {trace id: {rule: cost}}, "traces": n}. Means are over
+    traces and heads (equal weight), so "overall" is the mean of "per_trace"."""
     from tqdm import tqdm
 
     layers = list(range(traces.shape.num_layers)) if layers is None else list(layers)
     sums = {r: torch.zeros(len(layers), traces.shape.num_kv_heads, dtype=torch.float64) for r in rules}
     rope = traces_rope(traces) if any(getattr(s, "needs_queries", False) for s in rules.values()) else None
+    per_trace = {}
     for tid in tqdm(ids, desc="evaluate", disable=not progress):
+        trace = {r: torch.zeros_like(v) for r, v in sums.items()}
         for li, l in enumerate(layers):
             kv = layer_kv(traces.load(tid, l), l, rope)
             mid = middle(kv.length)
             c = kv.future_importance[:, mid]
             for name, scorer in rules.items():
                 s = scorer.score(kv)[:, mid]
-                sums[name][li] += greedy_normalised_cost(s, c).double()
+                trace[name][li] = greedy_normalised_cost(s, c).double()
+        for r, v in trace.items():
+            sums[r] += v
+        per_trace[tid] = {r: float(v.mean()) for r, v in trace.items()}
     n = max(len(ids), 1)
     per_head = {r: (v / n) for r, v in sums.items()}
     return {"traces": len(ids), "layers": layers,
             "overall": {r: float(v.mean()) for r, v in per_head.items()},
             "per_layer": {r: [float(x) for x in v.mean(1)] for r, v in per_head.items()},
-            "per_head": {r: v.tolist() for r, v in per_head.items()}}
+            "per_head": {r: v.tolist() for r, v in per_head.items()}, "per_trace": per_trace}
 
 
 def default_rules(policy=None, baselines: Sequence[str] = BASELINES) -> Dict[str, object]:

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..importance import oracle_cost, ranking_cost
+from ..importance import normalised_cost
 from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
 
 REWARD_FLOOR = -200.0
@@ -51,18 +51,10 @@ def plackett_luce_log_prob(scores: torch.Tensor, rankings: torch.Tensor) -> torc
     return (ordered - tail_lse).sum(-1)
 
 
-def normalised_costs(rankings: torch.Tensor, importance: torch.Tensor, weighting: str = "uniform") -> torch.Tensor:
-    """cost(sigma) / cost(sigma*) for rankings [K, ..., n] (or [..., n]) of importance [..., n]."""
-    c = importance.float()
-    if rankings.dim() == c.dim() + 1:
-        c = c.expand(rankings.shape)
-    return ranking_cost(rankings, c, weighting) / oracle_cost(importance, weighting).clamp_min(1e-12)
-
-
 def rewards(rankings: torch.Tensor, importance: torch.Tensor, floor: float = REWARD_FLOOR,
             weighting: str = "uniform") -> torch.Tensor:
     """R = -cost/cost*, clamped at `floor` (-200): oracle = -1."""
-    return (-normalised_costs(rankings, importance, weighting)).clamp_min(floor)
+    return (-normalised_cost(rankings, importance, weighting)).clamp_min(floor)
 
 
 def rloo_advantages(r: torch.Tensor, clip: float = 2.0, normalise: bool = True,
@@ -104,7 +96,7 @@ def rloo_loss(scores: torch.Tensor, importance: torch.Tensor, samples: int = 8, 
         loss = per.mean()
     with torch.no_grad():
         greedy = torch.argsort(scores.detach().float(), dim=-1, descending=True, stable=True)
-        stats = {"sampled_cost": float(-r.mean()), "greedy_cost": float(normalised_costs(greedy, importance, weighting).mean())}
+        stats = {"sampled_cost": float(-r.mean()), "greedy_cost": float(normalised_cost(greedy, importance, weighting).mean())}
     return loss, stats
 
 
@@ -112,4 +104,4 @@ def greedy_normalised_cost(scores: torch.Tensor, importance: torch.Tensor, weigh
     """cost/cost* of the deterministic ranking (stable descending sort, lower index first on ties, as
     `kvp_vllm.selection.rank_tokens` does) -> [...]."""
     order = torch.argsort(scores.float(), dim=-1, descending=True, stable=True)
-    return normalised_costs(order, importance, weighting)
+    return normalised_cost(order, importance, weighting)

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..importance import rank_weights
+from ..importance import check_budget_weighting
 from ..policy import CheckpointError, KVPPolicy, PolicyConfig, check_shape
 from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
 from .collect import TraceError, TraceSet, TraceUnion, open_traces
@@ -220,7 +220,7 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
     world, rank, local = _dist_info()
     device = _device(cfg.device, local)
     use_bf16(cfg.precision, device)  # a bad --precision fails before anything is read or written
-    rank_weights(1, cfg.budget_weighting)  # so does a bad --budget-weighting
+    check_budget_weighting(cfg.budget_weighting)  # and a bad --budget-weighting
     traces = open_traces(cfg.traces)  # errors out on a missing/corrupt manifest before anything is written
     shape = traces.shape
     layers = parse_layers(cfg.layers, shape.num_layers)

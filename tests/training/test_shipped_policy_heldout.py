@@ -76,8 +76,8 @@ def test_shipped_policy_per_heldout_trace(heldout):
     1.382 vs 1.750, 1.271 vs 2.514, 1.998 vs 1.908 -- the conversation trace lost to TOVA by 5%, the
     price of the decode-time traces that pulled v8b toward recent text (v6 had 1.898 there, v4
     1.693)."""
-    traces, rules, _ = heldout
-    per_trace = {t: evaluate_rules(traces, [t], rules)["overall"] for t in traces.trace_ids}
+    _, _, res = heldout
+    per_trace = res["per_trace"]
     print({t: {r: round(v, 3) for r, v in sorted(c.items(), key=lambda x: x[1])} for t, c in per_trace.items()})
     assert len(per_trace) == 4
     others = [r for r in README_BASELINES if r != "tova"]
