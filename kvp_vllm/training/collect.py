@@ -13,6 +13,11 @@ generation harness's `greedy_continuation`) and the trace's "prompt" is the prom
 the cache a server re-compacts in the middle of a long generation, whose future is more of the
 model's own text.
 
+`future` picks the answer whose queries define the importance: "greedy" (the model's own answer, the
+paper's setting) or "reference" (teacher-forced on the harness task's reference continuation: the
+held-out essay text of ppl_essay, the canonical answer of a QA task; the answer the harness scores,
+so the target is what perplexity measures; chat tasks have none and are refused).
+
 Layout: <out>/manifest.json and <out>/layer_LL/shard_SSSSS.safetensors (one file per layer and shard of
 traces; tensor names "<trace_id>.<field>"), so training can stream one layer's data. Each shard's files
 are written under temporary names, renamed, and only then recorded (with sha256 and size) in the
@@ -40,6 +45,7 @@ from . import prompts
 MANIFEST = "manifest.json"
 TRACE_FORMAT = 1
 FIELDS = ("keys", "values", "importance", "window_queries")
+FUTURES = ("greedy", "reference")
 
 
 class TraceError(ValueError):
@@ -54,6 +60,7 @@ class CollectConfig:
     answer_tokens: int = 48
     window: int = 64                     # queries kept for TOVA/SnapKV evaluation
     decode_tokens: int = 0               # own greedy tokens appended to the prompt (mid-generation cache)
+    future: str = "greedy"               # whose queries define importance: FUTURES
     tasks: Sequence[str] = prompts.DEFAULT_MIX
     seed: int = prompts.TRAIN_SEED_BASE  # trace i uses seed + i
     traces_per_shard: int = 8
@@ -109,10 +116,12 @@ def plan(cfg: CollectConfig) -> List[dict]:
 
 
 @torch.no_grad()
-def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, decode_tokens: int = 0) -> dict:
-    """One trace: prefill the prompt (capturing the last `window` queries), decode greedily, capturing
-    each answer token's queries, then compute the future importance per layer. With `decode_tokens`,
-    the model's own greedy continuation of that many tokens is appended to the prompt first."""
+def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, decode_tokens: int = 0,
+                reference: Optional[Sequence[int]] = None) -> dict:
+    """One trace: prefill the prompt (capturing the last `window` queries), decode greedily (or feed
+    the first `answer_tokens` of `reference`, teacher-forced), capturing each answer token's queries,
+    then compute the future importance per layer. With `decode_tokens`, the model's own greedy
+    continuation of that many tokens is appended to the prompt first."""
     from ..capture import forward_capture
 
     ids = item.get("prompt_ids") or prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
@@ -132,8 +141,8 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, d
     wq = [q.clone() for q in pre.queries]
     answer, answer_q = [], [[] for _ in keys]
     cache, logits = pre.cache, pre.logits
-    for _ in range(answer_tokens):
-        tok = int(logits[0, -1].float().argmax())
+    for i in range(answer_tokens if reference is None else min(answer_tokens, len(reference))):
+        tok = int(logits[0, -1].float().argmax()) if reference is None else int(reference[i])
         answer.append(tok)
         step = forward_capture(model, torch.tensor([[tok]], device=device), cache=cache,
                                query_last=1)
@@ -163,7 +172,8 @@ def _write_json_atomic(path: Path, obj) -> None:
 def _config_key(cfg: dict) -> dict:
     """Settings that must match to resume into an existing folder."""
     key = {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed", "traces_per_shard")}
-    return {**key, "decode_tokens": cfg.get("decode_tokens", 0)}  # folders from before it: 0
+    # folders from before these settings existed: 0 and greedy
+    return {**key, "decode_tokens": cfg.get("decode_tokens", 0), "future": cfg.get("future", "greedy")}
 
 
 def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -> Path:
@@ -180,6 +190,16 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
         prompts.check_tasks(cfg.tasks)
     except ValueError as e:
         raise TraceError(str(e)) from None
+    if cfg.future not in FUTURES:
+        raise TraceError(f"unknown future {cfg.future!r}; choose one of {', '.join(FUTURES)}")
+    if cfg.future == "reference":
+        if cfg.decode_tokens:
+            raise TraceError("--future reference needs --decode-tokens 0: after the model's own text "
+                             "there is no reference continuation")
+        chat = sorted(set(cfg.tasks) & set(prompts.CHAT_TASKS))
+        if chat:
+            raise TraceError(f"--future reference: {', '.join(chat)} has no reference continuation; "
+                             f"drop it from --tasks or collect it with --future greedy")
     model_path = resolve_model(cfg.model)  # fails before anything is written
     out = Path(out).expanduser()
     manifest_path = out / MANIFEST
@@ -191,6 +211,9 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
         try:
             item["prompt_ids"] = prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
                                                     item["seed"])
+            if cfg.future == "reference":
+                item["reference_ids"] = prompts.reference_ids(tokenizer, item["task"], item["target_tokens"],
+                                                              item["seed"])
         except ValueError as e:  # the harness's TaskError included
             raise TraceError(f"cannot build the {item['task']} prompt at {item['target_tokens']} "
                              f"tokens: {e}") from None
@@ -231,7 +254,7 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
         traces = []
         for item in batch:
             traces.append((item, collect_one(model, tokenizer, item, cfg.answer_tokens, cfg.window,
-                                                 cfg.decode_tokens)))
+                                                 cfg.decode_tokens, item.get("reference_ids"))))
             bar.update(1)
         files, staged = {}, []
         try:
@@ -254,7 +277,7 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
                 if tmp.exists():
                     tmp.unlink()
         for item, tr in traces:
-            meta = {k: v for k, v in item.items() if k != "prompt_ids"}
+            meta = {k: v for k, v in item.items() if k not in ("prompt_ids", "reference_ids")}
             manifest["traces"][item["id"]] = {**meta, "shard": s, "n_prompt": tr["n_prompt"],
                                               "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
                                               "answer": tokenizer.decode(tr["answer"]),

@@ -113,3 +113,12 @@ def prompt_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]
         messages = CHAT_TASKS[task](rng, int(target_tokens * CHARS_PER_TOKEN))
         return _encode_chat(tokenizer, messages, target_tokens)
     return harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed).prompt_ids
+
+
+def reference_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]:
+    """The reference continuation of a harness task's prompt (`prompt_ids` with the same arguments):
+    the held-out text of a perplexity task, the canonical answer of a QA task. Chat tasks have none."""
+    check_tasks([task])
+    if task in CHAT_TASKS:
+        raise ValueError(f"{task} has no reference continuation")
+    return list(harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed).gold_ids)

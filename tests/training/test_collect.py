@@ -176,3 +176,40 @@ def test_decode_tokens_store_the_cache_mid_generation(tmp_path):
     cfg.decode_tokens = -1
     with pytest.raises(TraceError, match="decode_tokens >= 0"):
         collect(cfg, tmp_path / "neg", progress=False)
+
+
+def test_future_reference_teacher_forces_the_reference_continuation(tmp_path):
+    """--future reference: the answer is the harness task's reference continuation (the held-out essay
+    text of ppl_essay), teacher-forced, not the model's greedy answer, and the importance is that of
+    its queries, as one forward of prompt + reference computes it."""
+    cfg = CollectConfig(model="tiny-llama", lengths=(160,), num_traces=2, answer_tokens=6, window=8,
+                        traces_per_shard=2, tasks=("ppl_essay",), future="reference")
+    out = collect(cfg, tmp_path / "ref", progress=False)
+    ts = TraceSet(out)
+    from kvp_vllm.eval.longgen import greedy_continuation
+
+    model, tok, _ = load_model(resolve_model("tiny-llama"))
+    for tid in ts.trace_ids:
+        meta = ts.meta(tid)
+        prompt = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
+        reference = prompts.reference_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
+        assert len(reference) == 64 and meta["answer_ids"] == reference[:6] and meta["n_prompt"] == len(prompt)
+        assert greedy_continuation(model, prompt, 6) != reference[:6]  # the greedy answer is another one
+        full = torch.tensor([prompt + meta["answer_ids"]])
+        cap = forward_capture(model, full, query_last=6)
+        for layer in range(3):
+            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
+            stored = ts.load(tid, layer)["importance"]
+            assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+    cfg.future = "greedy"  # another setting: no silent mix of targets in one folder
+    with pytest.raises(TraceError, match="other settings"):
+        collect(cfg, out, progress=False)
+    # refused before anything is written: chat tasks (no reference), mid-generation caches, unknown names
+    for bad, why in (({"tasks": ("ppl_essay", "conversation")}, "conversation has no reference"),
+                     ({"decode_tokens": 8}, "needs --decode-tokens 0"),
+                     ({"future": "oracle"}, "unknown future 'oracle'")):
+        kw = {"model": "tiny-llama", "lengths": (160,), "num_traces": 1, "answer_tokens": 2,
+              "tasks": ("ppl_essay",), "future": "reference", **bad}
+        with pytest.raises(TraceError, match=why):
+            collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
+        assert not (tmp_path / "refused").exists()
