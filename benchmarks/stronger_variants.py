@@ -11,6 +11,10 @@ one it was; KVP is the shipped server's setting (`paper`). Both variants are als
       --none benchmarks/results/eval_smollm2_2k_faithful_protect_none \\
       --out benchmarks/results/eval_smollm2_2k_faithful_protect_paper/stronger
 
+For perplexity tasks it also reports the paired per-sample difference of the log-likelihood per token,
+KVP minus each baseline's stronger variant (mean ± standard error over the samples), so a small gap can
+be read against the noise of the sample.
+
 Writes stronger.md and stronger.json.gz. The folders must have evaluated the same prompts (their
 full-cache rows must agree); only the samples both folders have with every rule and budget count.
 """
@@ -18,6 +22,8 @@ full-cache rows must agree); only the samples both folders have with every rule 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -100,12 +106,49 @@ def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, t
     return "\n".join(lines)
 
 
+def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp") -> List[Dict]:
+    """Per perplexity cell (length, task, budget) and baseline: KVP's per-sample log-likelihood per token
+    minus the baseline's stronger variant's (positive: KVP better), mean and standard error."""
+    loglik: Dict[Tuple, float] = {}
+    for r in rows:
+        if r["task"].startswith("ppl_") and r.get("gold_tokens"):
+            loglik[(r["length"], r["task"], r["rule"], r["budget"], r["index"])] = r["gold_logprob"] / r["gold_tokens"]
+    out = []
+    for c in strong_ppl:
+        if c["rule"] in (FULL, kvp):
+            continue
+        name = c["rule"] + (NONE_SUFFIX if c["variant"] == "none" else "")
+        idx = sorted(i for (l, t, rule, b, i) in loglik if (l, t, rule, b) == (c["length"], c["task"], kvp, c["budget"]))
+        diffs = [loglik[(c["length"], c["task"], kvp, c["budget"], i)] - loglik[(c["length"], c["task"], name, c["budget"], i)]
+                 for i in idx if (c["length"], c["task"], name, c["budget"], i) in loglik]
+        if len(diffs) >= 2:
+            out.append({"length": c["length"], "task": c["task"], "budget": c["budget"], "rule": c["rule"],
+                        "variant": c["variant"], "samples": len(diffs), "mean": statistics.mean(diffs),
+                        "stderr": statistics.stdev(diffs) / math.sqrt(len(diffs))})
+    return out
+
+
+def paired_table(diffs: List[Dict], length: int, task: str) -> str:
+    sel = [d for d in diffs if d["length"] == length and d["task"] == task]
+    if not sel:
+        return ""
+    budgets = sorted({d["budget"] for d in sel}, key=_budget_sort)
+    cell = {(d["rule"], d["budget"]): d for d in sel}
+    lines = ["| vs | " + " | ".join(f"b={b}" for b in budgets) + " |", "|" + "---|" * (len(budgets) + 1)]
+    for rule in sorted({d["rule"] for d in sel}):
+        vals = [f"{cell[rule, b]['mean']:+.3f} ± {cell[rule, b]['stderr']:.3f}" + ("ᴺ" if cell[rule, b]["variant"] == "none" else "")
+                if (rule, b) in cell else "" for b in budgets]
+        lines.append(f"| {rule} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def report(rows: List[Dict]) -> Tuple[str, Dict]:
     avg = task_average(rows)
     agg = aggregate(rows)
     ppl = [a for a in agg if a["task"].startswith("ppl_")]
     strong_acc = stronger_cells(avg, "accuracy")
     strong_ppl = stronger_cells(ppl, "perplexity", higher_is_better=False)
+    diffs = paired_differences(rows, strong_ppl)
     lines = []
     for length in sorted({r["length"] for r in rows}):
         for protocol in sorted({r["protocol"] for r in rows}):
@@ -121,13 +164,19 @@ def report(rows: List[Dict]) -> Tuple[str, Dict]:
             if t:
                 lines.append(f"## {task} perplexity (lower is better), {length} tokens: KVP vs each baseline's "
                              f"stronger variant\n\n{t}\n")
+            t = paired_table(diffs, length, task)
+            if t:
+                n = max(d["samples"] for d in diffs if d["length"] == length and d["task"] == task)
+                lines.append(f"## {task}, {length} tokens: paired difference of the log-likelihood per token, "
+                             f"KVP minus the baseline's stronger variant (mean ± standard error over {n} "
+                             f"samples; positive: KVP better)\n\n{t}\n")
     for length in sorted({r["length"] for r in rows}):
         for protocol in sorted({r["protocol"] for r in rows}):
             t = task_average_table(avg, protocol, length)
             if t:
                 lines.append(f"## both variants: task-averaged accuracy, {protocol}, {length} tokens\n\n{t}\n")
     return "\n".join(lines), {"task_average": avg, "stronger_accuracy": strong_acc,
-                              "stronger_perplexity": strong_ppl, "aggregate": agg}
+                              "stronger_perplexity": strong_ppl, "paired_perplexity": diffs, "aggregate": agg}
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,26 @@ def test_each_baseline_is_its_stronger_variant_and_kvp_stays_as_served():
     assert "| knorm | 0.300ᴺ | 0.500 |" in table and "| streaming | 0.200 | 0.500 |" in table
 
 
+def test_paired_perplexity_difference_is_against_the_stronger_variant():
+    """Per sample, KVP's log-likelihood per token minus the baseline's stronger variant's: mean and
+    standard error over the samples (positive: KVP better)."""
+    def row(rule, i, logprob):
+        return {"length": 8192, "task": "ppl_essay", "protocol": "query_aware", "rule": rule, "budget": "128",
+                "index": i, "gold_logprob": logprob * 64, "gold_tokens": 64}
+
+    kvp, snap, snap_none = [-3.0, -3.2, -2.9], [-3.1, -3.1, -3.0], [-3.5, -3.6, -3.4]
+    rows = ([row("kvp", i, v) for i, v in enumerate(kvp)] + [row("snapkv", i, v) for i, v in enumerate(snap)]
+            + [row("snapkv[protect=none]", i, v) for i, v in enumerate(snap_none)])
+    strong = [{**_cell("kvp", "128", 20.0, "perplexity"), "length": 8192, "task": "ppl_essay", "variant": "paper"},
+              {**_cell("snapkv", "128", 21.0, "perplexity"), "length": 8192, "task": "ppl_essay", "variant": "paper"}]
+    (d,) = SV.paired_differences(rows, strong)
+    diffs = [a - b for a, b in zip(kvp, snap)]  # the paper variant was the stronger: never snap_none
+    assert d["rule"] == "snapkv" and d["samples"] == 3
+    assert d["mean"] == pytest.approx(sum(diffs) / 3)
+    assert d["stderr"] == pytest.approx(torch.tensor(diffs).std().item() / 3 ** 0.5)
+    assert "| snapkv | +0.033 ± 0.067 |" in SV.paired_table([d], 8192, "ppl_essay")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
@@ -66,6 +86,7 @@ def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
     SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "stronger.md").read_text()
     assert "stronger variant" in md and "knorm[protect=none]" in md and "ppl_essay perplexity" in md
+    assert "ppl_essay, 256 tokens: paired difference" not in md  # one sample: no standard error, no table
     assert read_bytes(tmp_path / "out" / "stronger.json.gz").startswith(b'{"paper": ')  # gzip, read back
     with pytest.raises(SystemExit, match="not a --protect none folder"):
         SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "paper"), "--out", str(tmp_path)])
