@@ -109,18 +109,18 @@ def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, t
 def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp") -> List[Dict]:
     """Per perplexity cell (length, task, budget) and baseline: KVP's per-sample log-likelihood per token
     minus the baseline's stronger variant's (positive: KVP better), mean and standard error."""
-    loglik: Dict[Tuple, float] = {}
+    per_sample: Dict[Tuple, Dict[int, float]] = defaultdict(dict)  # (length, task, rule, budget) -> index -> value
     for r in rows:
         if r["task"].startswith("ppl_") and r.get("gold_tokens"):
-            loglik[(r["length"], r["task"], r["rule"], r["budget"], r["index"])] = r["gold_logprob"] / r["gold_tokens"]
+            per_sample[r["length"], r["task"], r["rule"], r["budget"]][r["index"]] = r["gold_logprob"] / r["gold_tokens"]
     out = []
     for c in strong_ppl:
         if c["rule"] in (FULL, kvp):
             continue
         name = c["rule"] + (NONE_SUFFIX if c["variant"] == "none" else "")
-        idx = sorted(i for (l, t, rule, b, i) in loglik if (l, t, rule, b) == (c["length"], c["task"], kvp, c["budget"]))
-        diffs = [loglik[(c["length"], c["task"], kvp, c["budget"], i)] - loglik[(c["length"], c["task"], name, c["budget"], i)]
-                 for i in idx if (c["length"], c["task"], name, c["budget"], i) in loglik]
+        ours = per_sample[c["length"], c["task"], kvp, c["budget"]]
+        theirs = per_sample[c["length"], c["task"], name, c["budget"]]
+        diffs = [ours[i] - theirs[i] for i in sorted(ours.keys() & theirs.keys())]
         if len(diffs) >= 2:
             out.append({"length": c["length"], "task": c["task"], "budget": c["budget"], "rule": c["rule"],
                         "variant": c["variant"], "samples": len(diffs), "mean": statistics.mean(diffs),
