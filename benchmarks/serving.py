@@ -738,7 +738,7 @@ def two_runs(args, cfg: dict) -> int:
                               output_tokens_per_s=ratio("output_tokens_per_s"),
                               ttft_p50=ratio("ttft_p50"), peak_blocks_used=ratio("peak_blocks_used")))
     stem = "serving_quick" if args.quick else "serving"
-    write_json(args.out / f"{stem}.json", report)
+    write_json(args.out / f"{stem}.json.gz", report)  # per-request rows: compressed, the tree travels to the GPU host
     plot(report, args.out / f"{stem}.png")
     print(f"\n{'':<22}{'no eviction':>14}{ev['label']:>18}{'ratio':>9}")
     for key in ("peak_running", "peak_decoding_client", "preemptions", "peak_waiting", "output_tokens_per_s",
@@ -749,7 +749,7 @@ def two_runs(args, cfg: dict) -> int:
     share = ev["selection_share_of_prefill"]
     print(f"selection overhead: {ev['selection_seconds']:.3f} s = "
           f"{'-' if share is None else f'{100 * share:.2f}%'} of {ev['prefill_seconds']:.2f} s prefill")
-    print(f"wrote {args.out / (stem + '.json')} and {stem}.png")
+    print(f"wrote {args.out / (stem + '.json.gz')} and {stem}.png")
     return 0
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvp_vllm.eval.store import read_bytes
+
 pytestmark = pytest.mark.timeout(1800)
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -19,7 +21,7 @@ def test_serving_benchmark_quick(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1750)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report = json.loads((tmp_path / "serving_quick.json").read_text())
+    report = json.loads(read_bytes(tmp_path / "serving_quick.json.gz"))
     assert (tmp_path / "serving_quick.png").stat().st_size > 0
     base, ev = report["runs"]
     cfg = report["config"]
