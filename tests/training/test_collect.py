@@ -14,6 +14,19 @@ from kvp_vllm.training.collect import (MANIFEST, CollectConfig, TraceError, Trac
                                        resolve_model)
 
 
+
+def _assert_importance_of_one_forward(model, ts, tid, context):
+    """The stored importance of trace `tid` equals the one computed from a single forward of its context
+    + answer (the answer queries are the last n_answer inputs). Returns that forward's capture."""
+    meta = ts.meta(tid)
+    cap = forward_capture(model, torch.tensor([list(context) + meta["answer_ids"]]), query_last=meta["n_answer"])
+    for layer in range(ts.shape.num_layers):
+        c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
+        stored = ts.load(tid, layer)["importance"]
+        assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+    return cap
+
+
 def test_layout_and_manifest(tiny_traces):
     ts = TraceSet(tiny_traces)
     m = ts.manifest
@@ -58,14 +71,8 @@ def test_stored_importance_matches_a_full_forward(tiny_traces):
     ids = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
     assert len(ids) == meta["n_prompt"]
     assert len(meta["answer_ids"]) == meta["n_answer"]
-    full = torch.tensor([ids + meta["answer_ids"]])
-    f = meta["n_answer"]
-    cap = forward_capture(model, full, query_last=f)
+    cap = _assert_importance_of_one_forward(model, ts, "t00005", ids)
     for layer in range(3):
-        # queries of the answer tokens = inputs at positions n .. n+f-1 = the last f inputs of `full`
-        c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
-        stored = ts.load("t00005", layer)["importance"]
-        assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
         assert torch.allclose(ts.load("t00005", layer)["keys"].float(),
                               cap.keys[layer][:, :meta["n_prompt"]], atol=0.05)
 
@@ -163,13 +170,9 @@ def test_decode_tokens_store_the_cache_mid_generation(tmp_path):
         prompt = prompts.prompt_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
         own = greedy_continuation(model, prompt, 24)
         assert meta["generated_ids"] == own and meta["n_prompt"] == len(prompt) + 24
-        full = torch.tensor([prompt + own + meta["answer_ids"]])
-        cap = forward_capture(model, full, query_last=meta["n_answer"])
+        _assert_importance_of_one_forward(model, ts, tid, prompt + own)
         for layer in range(3):
-            d = ts.load(tid, layer)
-            assert d["keys"].shape[1] == meta["n_prompt"]
-            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
-            assert torch.allclose(d["importance"], c, atol=2e-4), (layer, (d["importance"] - c).abs().max())
+            assert ts.load(tid, layer)["keys"].shape[1] == meta["n_prompt"]
     cfg.decode_tokens = 0  # another setting: no silent mix of mid-generation and prompt-only traces
     with pytest.raises(TraceError, match="other settings"):
         collect(cfg, out, progress=False)
@@ -195,12 +198,7 @@ def test_future_reference_teacher_forces_the_reference_continuation(tmp_path):
         reference = prompts.reference_ids(tok, meta["task"], meta["target_tokens"], meta["seed"])
         assert len(reference) == 64 and meta["answer_ids"] == reference[:6] and meta["n_prompt"] == len(prompt)
         assert greedy_continuation(model, prompt, 6) != reference[:6]  # the greedy answer is another one
-        full = torch.tensor([prompt + meta["answer_ids"]])
-        cap = forward_capture(model, full, query_last=6)
-        for layer in range(3):
-            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
-            stored = ts.load(tid, layer)["importance"]
-            assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+        _assert_importance_of_one_forward(model, ts, tid, prompt)
     cfg.future = "greedy"  # another setting: no silent mix of targets in one folder
     with pytest.raises(TraceError, match="other settings"):
         collect(cfg, out, progress=False)
