@@ -11,7 +11,8 @@ recomputed, never mixed), so evaluate the older policy alone in a folder of its 
 
 The older policy's KVP rows become rule LABEL; both folders must have evaluated the same prompts (their
 full-cache rows must agree). Writes compare.md (task-averaged accuracy and perplexity tables over the
-samples both folders have), compare.json.gz and the usual plots.
+samples both folders have; for perplexity also the paired per-sample difference of the other policy
+minus the base's KVP, mean ± standard error), compare.json.gz and the usual plots.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvp_vllm.eval.plots import plot_all  # noqa: E402
 from kvp_vllm.eval.runner import (RowMismatch, aggregate, folder_policy_sha256, complete_rows,  # noqa: E402
-                                  current_rows, markdown_summary, merge_policy_rows, read_rows,
-                                  task_average, task_average_table)
+                                  current_rows, markdown_summary, merge_policy_rows, paired_difference,
+                                  paired_table, per_sample_loglik, read_rows, task_average,
+                                  task_average_table)
 from kvp_vllm.eval.store import MixedStore, write_json  # noqa: E402
 
 
@@ -72,10 +74,18 @@ def main(argv=None) -> int:
             table = markdown_summary(agg, protocol, metric, digits)
             if table.count("\n") > 1:
                 lines.append(f"## {metric}, {protocol}\n\n{table}\n")
+    loglik = per_sample_loglik(rows)
+    paired = [{**d, "rule": "kvp"} for a in agg if a["task"].startswith("ppl_") and a["rule"] == args.label
+              for d in [paired_difference(loglik, a["length"], a["task"], a["budget"], args.label, "kvp")] if d]
+    for length, task in sorted({(d["length"], d["task"]) for d in paired}):
+        lines.append(f"## {task}, {length} tokens: paired difference of the log-likelihood per token, "
+                     f"{args.label} minus kvp (mean ± standard error over the samples; positive: "
+                     f"{args.label} better)\n\n{paired_table(paired, length, task)}\n")
     (args.out / "compare.md").write_text("\n".join(lines))
     write_json(args.out / "compare.json.gz", {"base": str(args.base), "other": str(args.other),
                                               "label": args.label, "base_sha256": base_sha,
-                                              "other_sha256": other_sha, "aggregate": agg, "task_average": avg})
+                                              "other_sha256": other_sha, "aggregate": agg, "task_average": avg,
+                                              "paired_perplexity": paired})
     plot_all(agg, args.out, avg)
     print("\n".join(lines))
     return 0

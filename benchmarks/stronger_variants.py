@@ -22,8 +22,6 @@ full-cache rows must agree); only the samples both folders have with every rule 
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -33,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvp_vllm.eval.runner import (FULL, RowMismatch, _budget_sort, aggregate, folder_policy_sha256,  # noqa: E402
-                                  complete_rows, current_rows, merge_rows, read_rows, stored_identity,
-                                  task_average, task_average_table)
+                                  complete_rows, current_rows, merge_rows, paired_difference, paired_table,
+                                  per_sample_loglik, read_rows, stored_identity, task_average,
+                                  task_average_table)
 from kvp_vllm.eval.store import write_json  # noqa: E402
 
 NONE_SUFFIX = "[protect=none]"
@@ -109,37 +108,16 @@ def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, t
 def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp") -> List[Dict]:
     """Per perplexity cell (length, task, budget) and baseline: KVP's per-sample log-likelihood per token
     minus the baseline's stronger variant's (positive: KVP better), mean and standard error."""
-    per_sample: Dict[Tuple, Dict[int, float]] = defaultdict(dict)  # (length, task, rule, budget) -> index -> value
-    for r in rows:
-        if r["task"].startswith("ppl_") and r.get("gold_tokens"):
-            per_sample[r["length"], r["task"], r["rule"], r["budget"]][r["index"]] = r["gold_logprob"] / r["gold_tokens"]
+    loglik = per_sample_loglik(rows)
     out = []
     for c in strong_ppl:
         if c["rule"] in (FULL, kvp):
             continue
         name = c["rule"] + (NONE_SUFFIX if c["variant"] == "none" else "")
-        ours = per_sample[c["length"], c["task"], kvp, c["budget"]]
-        theirs = per_sample[c["length"], c["task"], name, c["budget"]]
-        diffs = [ours[i] - theirs[i] for i in sorted(ours.keys() & theirs.keys())]
-        if len(diffs) >= 2:
-            out.append({"length": c["length"], "task": c["task"], "budget": c["budget"], "rule": c["rule"],
-                        "variant": c["variant"], "samples": len(diffs), "mean": statistics.mean(diffs),
-                        "stderr": statistics.stdev(diffs) / math.sqrt(len(diffs))})
+        d = paired_difference(loglik, c["length"], c["task"], c["budget"], kvp, name)
+        if d:
+            out.append({**d, "rule": c["rule"], "variant": c["variant"]})
     return out
-
-
-def paired_table(diffs: List[Dict], length: int, task: str) -> str:
-    sel = [d for d in diffs if d["length"] == length and d["task"] == task]
-    if not sel:
-        return ""
-    budgets = sorted({d["budget"] for d in sel}, key=_budget_sort)
-    cell = {(d["rule"], d["budget"]): d for d in sel}
-    lines = ["| vs | " + " | ".join(f"b={b}" for b in budgets) + " |", "|" + "---|" * (len(budgets) + 1)]
-    for rule in sorted({d["rule"] for d in sel}):
-        vals = [f"{cell[rule, b]['mean']:+.3f} ± {cell[rule, b]['stderr']:.3f}" + ("ᴺ" if cell[rule, b]["variant"] == "none" else "")
-                if (rule, b) in cell else "" for b in budgets]
-        lines.append(f"| {rule} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
 
 
 def report(rows: List[Dict]) -> Tuple[str, Dict]:

@@ -457,6 +457,46 @@ def task_average_table(avg: List[Dict], protocol: str, length: int) -> str:
             + "\n".join(lines))
 
 
+def per_sample_loglik(rows: List[Dict]) -> Dict[Tuple, Dict[int, float]]:
+    """Perplexity rows as (length, task, rule, budget) -> sample index -> log-likelihood per token."""
+    out: Dict[Tuple, Dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r["task"].startswith("ppl_") and r.get("gold_tokens"):
+            out[r["length"], r["task"], r["rule"], r["budget"]][r["index"]] = r["gold_logprob"] / r["gold_tokens"]
+    return out
+
+
+def paired_difference(loglik: Dict[Tuple, Dict[int, float]], length: int, task: str, budget: str,
+                      rule: str, other: str) -> Optional[Dict]:
+    """`rule`'s log-likelihood per token minus `other`'s, paired over the samples both have (positive:
+    `rule` better): mean, standard error and sample count; None under two samples (no error bar)."""
+    ours, theirs = loglik.get((length, task, rule, budget), {}), loglik.get((length, task, other, budget), {})
+    diffs = [ours[i] - theirs[i] for i in sorted(ours.keys() & theirs.keys())]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    return {"length": length, "task": task, "budget": budget, "samples": len(diffs), "mean": mean,
+            "stderr": sd / math.sqrt(len(diffs))}
+
+
+def paired_table(diffs: List[Dict], length: int, task: str) -> str:
+    """Markdown: one line per compared rule (`rule`), one column per budget, mean ± standard error
+    (marked ᴺ when the compared row was a --protect none variant)."""
+    sel = [d for d in diffs if d["length"] == length and d["task"] == task]
+    if not sel:
+        return ""
+    budgets = sorted({d["budget"] for d in sel}, key=_budget_sort)
+    cell = {(d["rule"], d["budget"]): d for d in sel}
+    lines = ["| vs | " + " | ".join(f"b={b}" for b in budgets) + " |", "|" + "---|" * (len(budgets) + 1)]
+    for rule in sorted({d["rule"] for d in sel}):
+        vals = [f"{cell[rule, b]['mean']:+.3f} ± {cell[rule, b]['stderr']:.3f}"
+                + ("ᴺ" if cell[rule, b].get("variant") == "none" else "") if (rule, b) in cell else ""
+                for b in budgets]
+        lines.append(f"| {rule} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def _leading_number(text: str) -> str:
     digits = text.lstrip()
     n = len(digits) - len(digits.lstrip("0123456789"))

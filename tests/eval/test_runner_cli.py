@@ -313,7 +313,7 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
     import sys
     from pathlib import Path
 
-    def folder(name, sha, rules):
+    def folder(name, sha, rules, kvp_loglik):
         d = tmp_path / name
         d.mkdir()
         (d / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": sha}}))
@@ -327,16 +327,26 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
                              "gold_logprob": -1.0, "gold_tokens": 2,
                              **({"checkpoint_sha256": sha} if rule == "kvp" else {}),
                              **({"rule_def": rule_definition(rule)} if rule != "full" else {})})
+                # an essay: per token, the full cache -1.5, KVP as given, every other rule -3.0
+                rows.append({"task": "ppl_essay", "length": 512, "index": i, "prompt_tokens": 448, "kind": "ppl",
+                             "protocol": "query_aware", "rule": rule, "budget": "full" if rule == "full" else "64",
+                             "kept": 64, "cache_len": 447, "output": "", "correct": None, "recall": None,
+                             "same_as_full": True, "gold_tokens": 64,
+                             "gold_logprob": 64 * {"full": -1.5, "kvp": kvp_loglik[i]}.get(rule, -3.0),
+                             **({"checkpoint_sha256": sha} if rule == "kvp" else {}),
+                             **({"rule_def": rule_definition(rule)} if rule != "full" else {})})
         (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return d
 
-    base, other = folder("base", "aaa", ["kvp", "tova"]), folder("other", "bbb", ["kvp"])
+    base, other = folder("base", "aaa", ["kvp", "tova"], [-2.0, -2.2]), folder("other", "bbb", ["kvp"], [-1.9, -2.0])
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_policies.py"
     proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
                            "--label", "kvp_old", "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| kvp_old | 1.000 |" in md and "| tova | 0.000 |" in md
+    # per essay the other policy is 0.1 and 0.2 nats per token better: mean 0.15, standard error 0.05
+    assert "kvp_old minus kvp" in md and "| kvp | +0.150 ± 0.050 |" in md
     assert (tmp_path / "cmp" / "eval_task_average_512.png").exists()
     report = json.loads(gzip.decompress((tmp_path / "cmp" / "compare.json.gz").read_bytes()))
     assert {a["rule"] for a in report["aggregate"]} >= {"kvp_old", "kvp", "tova"}
