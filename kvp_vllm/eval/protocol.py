@@ -319,18 +319,19 @@ def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[t
         for l, (q, k_all) in enumerate(zip(cap.queries, cap.keys)):
             h, d = k_all.shape[0], k_all.shape[-1]
             k = torch.cat([k_all[:, :sink], k_all[:, start:end], k_all[:, t:]], dim=1).float()  # [H, S, d]
-            q = q.float().reshape(h, q.shape[0] // h, q_len, d)
-            best = torch.zeros(h, end - start, device=k.device)
-            n_keys = k.shape[1]
+            q = q.float().reshape(h, q.shape[0] // h, q_len, d) * d ** -0.5
+            n_prev = k.shape[1] - q_len  # keys before the input's own
+            # max over queries of softmax = exp(max of (logit - logsumexp)): no softmax tensor is written
+            best = torch.full((h, end - start), float("-inf"), device=k.device)
             for a in range(0, q_len, query_block):  # bounded memory; softmax is per query row
                 b = min(a + query_block, q_len)
-                logits = torch.einsum("hgqd,hsd->hgqs", q[:, :, a:b], k) / d ** 0.5
-                # causal among the reconstruction input's own keys (the last q_len)
-                own = torch.arange(n_keys - q_len, n_keys, device=k.device)
-                hidden = own[None, :] > (n_keys - q_len + torch.arange(a, b, device=k.device))[:, None]
-                logits[..., n_keys - q_len:] = logits[..., n_keys - q_len:].masked_fill(hidden, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)[..., sink:sink + end - start]
-                best = torch.maximum(best, probs.amax(dim=(1, 2)))
+                # causal among the input's own keys: these queries see none after position b - 1, and
+                # within [a, b) only those not after themselves
+                logits = torch.einsum("hgqd,hsd->hgqs", q[:, :, a:b], k[:, :n_prev + b])
+                logits[..., n_prev + a:] += torch.full((b - a, b - a), float("-inf"), device=k.device).triu(1)
+                log_probs = logits[..., sink:sink + end - start] - torch.logsumexp(logits, dim=-1, keepdim=True)
+                best = torch.maximum(best, log_probs.amax(dim=(1, 2)))
+            best = best.exp()
             scores[l][:, start:end] = best
         start = end
     return scores, fed
