@@ -304,6 +304,7 @@ def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[t
     for s in scores:
         s[:, :n_sink] = 1.0  # kvpress: score_val[..., :n_sink] = 1.0 (then overwritten by any chunk)
     fed = 0
+    hidden = torch.full((query_block, query_block), float("-inf"), device=keys[0].device).triu(1)  # key j > query i
     for i, chunk in enumerate(chunks):
         if i == 0:
             q_ids = list(prompts.first_ids)
@@ -328,7 +329,7 @@ def kvzip_reconstruction(model, keys: Sequence[torch.Tensor], values: Sequence[t
                 # causal among the input's own keys: these queries see none after position b - 1, and
                 # within [a, b) only those not after themselves
                 logits = torch.einsum("hgqd,hsd->hgqs", q[:, :, a:b], k[:, :n_prev + b])
-                logits[..., n_prev + a:] += torch.full((b - a, b - a), float("-inf"), device=k.device).triu(1)
+                logits[..., n_prev + a:] += hidden[:b - a, :b - a]
                 log_probs = logits[..., sink:sink + end - start] - torch.logsumexp(logits, dim=-1, keepdim=True)
                 best = torch.maximum(best, log_probs.amax(dim=(1, 2)))
             best = best.exp()

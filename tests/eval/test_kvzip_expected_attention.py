@@ -70,14 +70,13 @@ def test_kvzip_scores_equal_the_max_reconstruction_attention(model, prefix, chun
     n_chunks = -(-(60 - prefix) // chunk_size)
     # chunk 0: repeat prompt (4) + suffix (3) + chunk; next chunks: prompt (5) + the previous 8 + suffix + chunk
     assert fed == 60 - prefix + 3 * n_chunks + 4 + 13 * (n_chunks - 1), "tokens fed: the extra prefill"
-    for layer, s in enumerate(got):
-        assert s.shape == (2, 60)
-        assert torch.allclose(s, want[layer], atol=1e-5), (layer, (s - want[layer]).abs().max())
-    # queries in blocks smaller than the input: the causal mask of each block's own keys
+    # also with queries in blocks smaller than the input: the causal mask of each block's own keys
     blocked, _ = P.kvzip_reconstruction(model, [k[:, :60] for k in pre.keys], [v[:, :60] for v in pre.values],
                                         ids, prompts, chunk_size=chunk_size, query_block=5)
-    for layer, s in enumerate(blocked):
-        assert torch.allclose(s, want[layer], atol=1e-5), (layer, (s - want[layer]).abs().max())
+    for layer in range(len(got)):
+        assert got[layer].shape == (2, 60)
+        for s in (got[layer], blocked[layer]):
+            assert torch.allclose(s, want[layer], atol=1e-5), (layer, (s - want[layer]).abs().max())
     if prefix > 4:  # the chat template's head after the sinks is never reconstructed: scored 0
         assert (got[0][:, 4:prefix] == 0).all() and (got[0][:, :4] == 1).all()
     # the rule ranks by those scores; query-aware reconstructs context + question
