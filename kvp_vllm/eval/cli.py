@@ -11,6 +11,11 @@ them with zcat); a folder from before that keeps its plain rows.jsonl until --co
 --protect paper (the default for a new folder) always keeps 4 sink + 16 recent tokens, the KVP paper's
 protocol; --protect none keeps only what each rule chooses (kvpress's behaviour for the baselines). A
 folder holds one mode (run.json); without --protect an existing folder continues with its own.
+--protect paper,none --out PAPER_FOLDER,NONE_FOLDER fills both folders in one pass: the prefill, the
+full-cache answer, KVzip's reconstruction and every rule's scores are computed once per sample (the
+rows are the ones two separate runs make). --shard K/N takes the sample indices i with i % N == K, so N
+processes (one thread each) can fill the same folders side by side:
+  for K in 0 1; do python -m kvp_vllm.eval.cli --protect paper,none --out A,B --shard $K/2 ... & done
 """
 
 from __future__ import annotations
@@ -104,13 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list or 'all' (every rule; kvp only with a checkpoint): {', '.join(sorted(SCORERS))}")
     p.add_argument("--protocols", default=",".join(PROTOCOLS), help="query_aware,query_agnostic")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--protect", choices=list(PROTECT_MODES), default=None,
+    p.add_argument("--protect", default=None,
                    help="paper: always keep 4 sink + 16 recent tokens (the KVP paper's protocol); none: "
-                        "nothing protected, each rule's own choice (kvpress's baselines). Default: the "
+                        "nothing protected, each rule's own choice (kvpress's baselines); a comma list "
+                        "(paper,none) fills one --out folder per mode in one pass. Default: the "
                         f"--out folder's mode, {DEFAULT_PROTECT} for a new folder")
     p.add_argument("--checkpoint", default="auto",
                    help="KVP checkpoint folder; 'auto' = the packaged one for the model if it exists")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/eval_<model>)")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/eval_<model>); "
+                                               "with several --protect modes, one folder per mode, commas")
+    p.add_argument("--shard", default="0/1",
+                   help="K/N: only the sample indices i with i %% N == K (N processes side by side)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop starting new samples after this many minutes (rerun to continue)")
     p.add_argument("--threads", type=int, default=1,
@@ -146,21 +155,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not done:
             print(f"{args.out}: no plain raw file to compress", file=sys.stderr)
         return 0
-    out = Path(args.out or f"benchmarks/results/eval_{Path(args.model).name}")
-    from .runner import stored_identity
+    from .runner import parse_shard, stored_identity
 
-    try:
-        stored = stored_identity(out)
-    except ValueError as e:  # unreadable run.json
-        fail(f"{out}/run.json: {e}")
-    protect = args.protect or ((stored or {}).get("protect") or DEFAULT_PROTECT)
+    outs = [Path(o) for o in _csv(args.out or f"benchmarks/results/eval_{Path(args.model).name}")]
+    if args.protect is None:
+        if len(outs) > 1:
+            fail("several --out folders need one --protect mode each (e.g. --protect paper,none)")
+        try:
+            stored = stored_identity(outs[0])
+        except ValueError as e:  # unreadable run.json
+            fail(f"{outs[0]}/run.json: {e}")
+        modes = [(stored or {}).get("protect") or DEFAULT_PROTECT]
+    else:
+        modes = _csv(args.protect)
+        for m in modes:
+            if m not in PROTECT_MODES:
+                fail(f"unknown protect mode {m!r}; known: {', '.join(PROTECT_MODES)}")
+        if len(set(modes)) != len(modes):
+            fail(f"--protect names a mode twice: {args.protect}")
+        if len(outs) != len(modes) or len({o.resolve() for o in outs}) != len(outs):
+            fail(f"--protect {args.protect} needs {len(modes)} different --out folders, in the same order "
+                 f"(got {len(outs)}: {args.out})")
+    protect, out = modes[0], outs[0]
     try:
         tasks = list(DEFAULT_TASKS) if args.tasks == "all" else _csv(args.tasks)
         for t in tasks:
             if t not in TASKS:
                 fail(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
         lengths = [parse_length(x) for x in _csv(args.lengths)]
-        budgets = parse_budgets(args.budgets, protect)
+        for m in modes:  # every mode's minimum budget
+            budgets = parse_budgets(args.budgets, m)
+        shard = parse_shard(args.shard)
     except (TaskError, ValueError) as e:
         fail(str(e))
     if not 0 <= args.seed < EVAL_SEED_LIMIT:
@@ -210,44 +235,52 @@ def main(argv: Optional[List[str]] = None) -> int:
                      protocols=protocols, seed=args.seed, model=args.model, checkpoint=checkpoint,
                      protect=protect)
     if args.report_only:
+        from dataclasses import replace
+
         from .plots import plot_all
+        from .runner import markdown_summary, needle_table, task_average_table
         from .store import MixedStore
 
-        try:
-            rows = current_rows(read_rows(out / "rows.jsonl"), checkpoint_sha256(checkpoint),  # or .gz
-                                protect)
-        except MixedStore as e:
-            fail(str(e))
-        if not rows:
-            fail(f"no stored rows in {out}")
-        res = write_outputs(out, cfg, rows, {"report_only": True})
-        plot_all(res["aggregate"], out, res["task_average"])
-        from .runner import markdown_summary, needle_table, task_average_table
-        for protocol in protocols:
-            for metric, d in (("accuracy", 2), ("delta_logprob_per_token", 2), ("perplexity", 1)):
-                table = markdown_summary(res["aggregate"], protocol, metric, d)
-                if table.count("\n") > 1:
-                    print(f"\n### {metric}, {protocol}\n\n{table}")
+        for mode, folder in zip(modes, outs):
+            try:
+                rows = current_rows(read_rows(folder / "rows.jsonl"), checkpoint_sha256(checkpoint),  # or .gz
+                                    mode)
+            except MixedStore as e:
+                fail(str(e))
+            if not rows:
+                fail(f"no stored rows in {folder}")
+            res = write_outputs(folder, replace(cfg, protect=mode), rows, {"report_only": True})
+            plot_all(res["aggregate"], folder, res["task_average"])
+            if len(outs) > 1:
+                print(f"\n## {folder} (protect {mode})")
+            for protocol in protocols:
+                for metric, d in (("accuracy", 2), ("delta_logprob_per_token", 2), ("perplexity", 1)):
+                    table = markdown_summary(res["aggregate"], protocol, metric, d)
+                    if table.count("\n") > 1:
+                        print(f"\n### {metric}, {protocol}\n\n{table}")
+                for length in lengths:
+                    table = task_average_table(res["task_average"], protocol, length)
+                    if table:
+                        print(f"\n### task-averaged accuracy, {protocol}, {length} tokens\n\n{table}")
             for length in lengths:
-                table = task_average_table(res["task_average"], protocol, length)
+                table = needle_table(rows, length)
                 if table:
-                    print(f"\n### task-averaged accuracy, {protocol}, {length} tokens\n\n{table}")
-        for length in lengths:
-            table = needle_table(rows, length)
-            if table:
-                print(f"\n### needle tasks, {length} tokens\n\n{table}")
-        print(f"\nrewrote results and plots in {out}", file=sys.stderr)
+                    print(f"\n### needle tasks, {length} tokens\n\n{table}")
+            print(f"\nrewrote results and plots in {folder}", file=sys.stderr)
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     print(f"kvp-eval: {model_path} | tasks {','.join(tasks)} | lengths {lengths} | {args.samples} samples"
-          f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)} | protect {protect}"
-          f" | out {out}", file=sys.stderr)
+          f" | budgets {budgets} | rules full,{','.join(rules)} | {','.join(protocols)}"
+          f" | protect {','.join(modes)} | out {','.join(map(str, outs))} | shard {shard[0]}/{shard[1]}",
+          file=sys.stderr)
     t0 = time.time()
-    res = run(cfg, model, tokenizer, out, progress=not args.no_progress, max_minutes=args.max_minutes)
+    res = run(cfg, model, tokenizer, out, progress=not args.no_progress, max_minutes=args.max_minutes,
+              also=dict(zip(modes[1:], outs[1:])), shard=shard)
     print(f"kvp-eval: done in {time.time() - t0:.0f}s; samples with every rule: "
-          f"{res['measured']['samples_per_task_all_rules']}; results in {out}", file=sys.stderr)
+          f"{res['measured']['samples_per_task_all_rules']}; results in {','.join(map(str, outs))}",
+          file=sys.stderr)
     return 0
 
 

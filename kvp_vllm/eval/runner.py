@@ -40,7 +40,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -120,12 +120,18 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
                     protocols: Sequence[str], checkpoint: Optional[str] = None,
                     full_record: Optional[Dict] = None, window: int = 64,
                     scorer_cache: Optional[Dict] = None, timings: Optional[Dict] = None,
-                    protect: str = DEFAULT_PROTECT) -> List[Dict]:
+                    protect: Union[str, Sequence[str]] = DEFAULT_PROTECT) -> List[Dict]:
     """All rows of one sample. `rules` excludes "full", which is always computed (or reused from
     full_record, which carries the stored full-cache answer). Every rule row records the rule's
     definition and the protect mode (and KVP rows the policy's sha256). KVzip rows also record the
     cost of its reconstruction pass (`extra_prefill_tokens` fed, `extra_prefill_seconds`; summed in
-    timings["kvzip_reconstruction"]): a prefill no other rule pays."""
+    timings["kvzip_reconstruction"]): a prefill no other rule pays.
+
+    `protect` may name several modes: the prefill, the full-cache answer, KVzip's reconstruction and
+    the scores are computed once and each mode's rows are made from them (the full-cache rows once).
+    Each mode's compressed caches run as their own batches, so its rows are the ones a pass with that
+    mode alone makes."""
+    protects = [protect] if isinstance(protect, str) else list(protect)
     timings = timings if timings is not None else defaultdict(float)
     scorer_cache = scorer_cache if scorer_cache is not None else {}
     eos = P._eos_ids(model, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -159,17 +165,18 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
             dt = time.perf_counter() - t0
             timings["kvzip_reconstruction"] += dt
             extra[(protocol, "kvzip")] = {"extra_prefill_tokens": fed, "extra_prefill_seconds": round(dt, 3)}
-    stamp = {name: {"rule_def": sc.definition, "protect": protect} for name, sc in scorers.items()}
+    stamp = {name: {"rule_def": sc.definition} for name, sc in scorers.items()}
     if "kvp" in stamp:
         stamp["kvp"]["checkpoint_sha256"] = checkpoint_sha256(checkpoint)
 
-    def row(protocol, rule, label, kept, cache_len, out: P.Outcome):
+    def row(protocol, rule, label, kept, cache_len, out: P.Outcome, mode=None):
         text = tokenizer.decode([t for t in out.tokens if t not in eos], skip_special_tokens=True)
         correct, recall = score_answers(text, sample.answers) if sample.kind == "qa" else (None, None)
         r = dict(base, protocol=protocol, rule=rule, budget=label, kept=kept, cache_len=cache_len,
                  output=text, correct=correct, recall=recall, same_as_full=out.tokens == answer,
                  agree=out.agree, gold_logprob=out.gold_logprob, gold_tokens=out.gold_tokens)
-        return dict(r, **stamp.get(rule, {}), **extra.get((protocol, rule), {}))
+        return dict(r, **stamp.get(rule, {}), **({} if mode is None else {"protect": mode}),
+                    **extra.get((protocol, rule), {}))
 
     rows: List[Dict] = []
     for protocol in protos:
@@ -189,27 +196,28 @@ def evaluate_sample(model, tokenizer, sample: Sample, rules: Sequence[str], budg
                                       reconstruction.get(protocol) if name == "kvzip" else None)
                   for name, sc in scorers.items()}
         timings["scoring"] += time.perf_counter() - t0
-        jobs = []  # (rule, budget label, b, compacted layers): every rule and budget, one padded batch
-        for budget in budgets:
-            b = P.resolve_budget(budget, cache_len, protect)
-            label = budget_label(budget)
-            if b >= cache_len:  # keeps everything: identical to the full cache
+        for mode in protects:
+            jobs = []  # (rule, budget label, b, compacted layers): every rule and budget of this mode
+            for budget in budgets:
+                b = P.resolve_budget(budget, cache_len, mode)
+                label = budget_label(budget)
+                if b >= cache_len:  # keeps everything: identical to the full cache
+                    for name in scorers:
+                        rows.append(dict(full_row, rule=name, budget=label, answer_ids=None, **stamp[name],
+                                         protect=mode, **extra.get((protocol, name), {})))
+                    continue
+                t0 = time.perf_counter()
                 for name in scorers:
-                    rows.append(dict(full_row, rule=name, budget=label, answer_ids=None, **stamp[name],
-                                     **extra.get((protocol, name), {})))
-                continue
-            t0 = time.perf_counter()
-            for name in scorers:
-                kept = P.kept_indices(ranked[name], b, protect)
-                jobs.append((name, label, b, P.compacted_layers(pre, protocol, kept)))
-            timings["select_compact"] += time.perf_counter() - t0
-        if jobs:
-            t0 = time.perf_counter()
-            outs = P.evaluate_caches(model, pre, protocol, [j[3] for j in jobs], answer, sample.gold_ids,
-                                     sample.max_new_tokens, eos)
-            timings["compressed_eval"] += time.perf_counter() - t0
-            for (name, label, b, _), out in zip(jobs, outs):
-                rows.append(row(protocol, name, label, b, cache_len, out))
+                    kept = P.kept_indices(ranked[name], b, mode)
+                    jobs.append((name, label, b, P.compacted_layers(pre, protocol, kept)))
+                timings["select_compact"] += time.perf_counter() - t0
+            if jobs:
+                t0 = time.perf_counter()
+                outs = P.evaluate_caches(model, pre, protocol, [j[3] for j in jobs], answer, sample.gold_ids,
+                                         sample.max_new_tokens, eos)
+                timings["compressed_eval"] += time.perf_counter() - t0
+                for (name, label, b, _), out in zip(jobs, outs):
+                    rows.append(row(protocol, name, label, b, cache_len, out, mode))
     for r in rows:
         if r.get("answer_ids") is None:
             r.pop("answer_ids", None)
@@ -603,10 +611,17 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
 # Run
 
 
-def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
-        max_minutes: Optional[float] = None, log=print, plots: bool = True) -> Dict:
-    from tqdm import tqdm
+@dataclass
+class _Folder:
+    """One output folder of a run: its settings (one protect mode), stores and current rows."""
+    cfg: EvalConfig
+    path: Path
+    store: Path
+    log_path: Path
+    have: Dict[Tuple, Dict]
 
+
+def _open_folder(cfg: EvalConfig, out_dir: Path, kvp_sha: Optional[str]) -> _Folder:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "run.json"
     with open(out_dir / ".lock", "w") as lock:  # processes sharing a new folder: one creates run.json
@@ -622,13 +637,43 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         store, log_path = store_path(out_dir, "rows.jsonl"), store_path(out_dir, "progress.log")
     except MixedStore as e:
         raise SystemExit(f"error: {e}")
-    kvp_sha = checkpoint_sha256(cfg.checkpoint)
-    rows = read_rows(store)
     # a stale row (another policy, rule definition or protect mode) counts as missing
-    have = {row_key(r): r for r in rows if is_current(r, kvp_sha, cfg.protect)}
+    have = {row_key(r): r for r in read_rows(store) if is_current(r, kvp_sha, cfg.protect)}
+    return _Folder(cfg, out_dir, store, log_path, have)
+
+
+def parse_shard(text: str) -> Tuple[int, int]:
+    """'K/N' -> (K, N): this process takes the sample indices i with i % N == K."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"a shard is K/N (e.g. 0/2); got {text!r}") from None
+    if not 0 <= k < n:
+        raise ValueError(f"a shard K/N needs 0 <= K < N; got {text!r}")
+    return k, n
+
+
+def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
+        max_minutes: Optional[float] = None, log=print, plots: bool = True,
+        also: Optional[Dict[str, Path]] = None, shard: Tuple[int, int] = (0, 1)) -> Dict:
+    """Evaluate every missing row of cfg into out_dir; returns its results.
+
+    also: {protect mode: folder}, more folders filled in the same pass (cfg with that mode): a sample
+    computes what the modes share (prefill, full-cache answer, KVzip's reconstruction, scores) once:
+    about 70% of a 2K sample's time (the stages in progress.log.gz).
+    shard (K, N): only the sample indices i with i % N == K, so N processes can fill the same folders
+    side by side (their rows are appended under a lock; whichever ends last reports every row)."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    kvp_sha = checkpoint_sha256(cfg.checkpoint)
+    modes = {cfg.protect: Path(out_dir), **(also or {})}
+    folders = [_open_folder(replace(cfg, protect=mode), path, kvp_sha) for mode, path in modes.items()]
     renderer = Renderer(tokenizer)
     # Interleave tasks (sample index outermost) so an interrupted run covers every task evenly.
-    plan = [(i, length, task) for i in range(cfg.samples) for length in cfg.lengths for task in cfg.tasks]
+    plan = [(i, length, task) for i in range(cfg.samples) if i % shard[1] == shard[0]
+            for length in cfg.lengths for task in cfg.tasks]
     timings: Dict[str, float] = defaultdict(float)
     scorer_cache: Dict = {}
     started = time.time()
@@ -639,44 +684,54 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         bar.set_postfix_str(f"{task}/{length}#{i}")
         sample = make_sample(task, tokenizer, length, i, cfg.seed, renderer=renderer)
         want = wanted_keys(sample, cfg.rules, cfg.budgets, cfg.protocols)
-        missing = [rule for rule, keys in want.items() if any(k not in have for k in keys)]
-        if not missing:
+        missing = {f.cfg.protect: [rule for rule, keys in want.items() if any(k not in f.have for k in keys)]
+                   for f in folders}
+        if not any(missing.values()):
             continue
         if max_minutes is not None and (time.time() - started) / 60 > max_minutes:
             stopped_early = True
             break
         full_keys = want[FULL]
-        full_record = have.get(full_keys[0]) if all(k in have for k in full_keys) else None
-        new = evaluate_sample(model, tokenizer, sample, [r for r in missing if r != FULL],
-                              cfg.budgets, cfg.protocols, cfg.checkpoint, full_record, cfg.window,
-                              scorer_cache, timings, protect=cfg.protect)
-        new = [r for r in new if row_key(r) not in have]
-        append_rows(store, new)
-        for r in new:
-            have[row_key(r)] = r
-        rows.extend(new)
+        full_record = next((f.have[full_keys[0]] for f in folders if all(k in f.have for k in full_keys)), None)
+        rules = [r for r in cfg.rules if any(r in m for m in missing.values())]
+        new = evaluate_sample(model, tokenizer, sample, rules, cfg.budgets, cfg.protocols, cfg.checkpoint,
+                              full_record, cfg.window, scorer_cache, timings,
+                              protect=[mode for mode, m in missing.items() if m])
         computed += 1
         timings["samples"] += 1
         stages = {k: round(v) for k, v in timings.items()}
-        append_text(log_path, f"{time.strftime('%H:%M:%S')} {sample.key} rules={','.join(missing)} "
-                              f"elapsed={time.time() - started:.0f}s stages={stages}\n")
+        for f in folders:
+            if not missing[f.cfg.protect]:
+                continue
+            mine = [r for r in new if r.get("protect", f.cfg.protect) == f.cfg.protect and row_key(r) not in f.have]
+            append_rows(f.store, mine)
+            f.have.update((row_key(r), r) for r in mine)
+            append_text(f.log_path, f"{time.strftime('%H:%M:%S')} {sample.key} "
+                                    f"rules={','.join(missing[f.cfg.protect])} protect={','.join(modes)} "
+                                    f"elapsed={time.time() - started:.0f}s stages={stages}\n")
     bar.close()
     elapsed = time.time() - started
     extra = {"this_invocation": {"samples_computed": computed, "seconds": round(elapsed, 1),
-                                 "stopped_by_time_limit": stopped_early,
+                                 "stopped_by_time_limit": stopped_early, "protect_modes": list(modes),
+                                 "shard": list(shard),
                                  "seconds_by_stage": {k: round(v, 1) for k, v in timings.items()}}}
-    # Another process (disjoint --tasks) may share the folder: under one lock, report every stored
-    # row, so whichever process writes last writes the complete results.
-    with open(out_dir / ".lock", "w") as lock:
+    results = [_report(f, kvp_sha, extra, plots, log) for f in folders]
+    return results[0]
+
+
+def _report(f: _Folder, kvp_sha: Optional[str], extra: Dict, plots: bool, log) -> Dict:
+    # Another process (disjoint --tasks or another shard) may share the folder: under one lock, report
+    # every stored row, so whichever process writes last writes the complete results.
+    with open(f.path / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for path in (store, log_path):
+        for path in (f.store, f.log_path):
             compact(path)  # the per-sample gzip members as one (no-op for a plain file)
-        rows = current_rows(read_rows(store), kvp_sha, cfg.protect)
-        results = write_outputs(out_dir, cfg, rows, extra)
+        rows = current_rows(read_rows(f.store), kvp_sha, f.cfg.protect)
+        results = write_outputs(f.path, f.cfg, rows, extra)
         if plots:
             try:
                 from .plots import plot_all
-                plot_all(results["aggregate"], out_dir, results["task_average"])
+                plot_all(results["aggregate"], f.path, results["task_average"])
             except Exception as e:  # plots are a convenience; the numbers are already written
                 log(f"warning: plotting failed: {e}")
     return results

@@ -163,7 +163,11 @@ def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model,
     (["--rules", "kvp", "--checkpoint", ""], "needs a trained policy"),
     (["--lengths", "16K"], "above the model's context of 8192"),
     (["--seed", "1000000"], "larger seeds draw the training traces"),
-    (["--protect", "some"], "invalid choice: 'some'"),
+    (["--protect", "some"], "unknown protect mode 'some'"),
+    (["--protect", "paper,paper"], "names a mode twice"),
+    (["--protect", "paper,none"], "needs 2 different --out folders"),
+    (["--shard", "2/2"], "0 <= K < N"),
+    (["--shard", "half"], "a shard is K/N"),
 ])
 def test_cli_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -448,6 +452,62 @@ def test_report_only_labels_a_legacy_folder_by_its_old_definitions(tmp_path, cap
     assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2}
     assert res["measured"]["stale_variants_reported"] == ["snapkv@v1"]
     assert res["settings"]["protect"] == "paper"
+
+
+def test_one_pass_fills_a_folder_per_protect_mode(tmp_path, small_model, tokenizer, capsys):
+    """--protect paper,none in one pass, split over two shards side by side: each folder gets exactly
+    the rows a separate run with its mode makes, and KVzip's reconstruction is computed once for both."""
+    import copy
+    import threading
+
+    def cfg(protect):
+        return EvalConfig(tasks=["niah_single_repeat", "ppl_essay"], lengths=[256], samples=2,
+                          budgets=[32, 4096], rules=["knorm", "snapkv", "kvzip"],
+                          protocols=["query_aware", "query_agnostic"], protect=protect)
+
+    for mode in ("paper", "none"):
+        run(cfg(mode), small_model, tokenizer, tmp_path / f"alone_{mode}", progress=False, plots=False)
+    both = {"paper": tmp_path / "both_paper", "none": tmp_path / "both_none"}
+    errors = []
+
+    def shard(k):
+        try:
+            run(cfg("paper"), copy.deepcopy(small_model), tokenizer, both["paper"], progress=False, plots=False,
+                also={"none": both["none"]}, shard=(k, 2))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=shard, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+    def content(folder):  # every row but its timing, by key
+        return {row_key(r): {k: v for k, v in r.items() if k != "extra_prefill_seconds"}
+                for r in read_rows(folder / "rows.jsonl")}
+    for mode in ("paper", "none"):
+        alone, together = content(tmp_path / f"alone_{mode}"), content(both[mode])
+        assert len(alone) == 2 * (2 * (1 + 3 * 2) + (1 + 3 * 2))  # 2 samples x (niah: 2 protocols; ppl: 1)
+        assert together == alone, mode
+        assert {r["protect"] for r in together.values() if r["rule"] != "full"} == {mode}
+        res = json.loads((both[mode] / "results.json").read_text())
+        assert res["settings"]["protect"] == mode
+        assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2, "ppl_essay/256": 2}
+        log = read_bytes(both[mode] / "progress.log.gz").decode()
+        assert log.count("protect=paper,none") == 4  # 2 tasks x 2 samples, one line each
+    seconds = [{row_key(r): r["extra_prefill_seconds"] for r in read_rows(both[m] / "rows.jsonl")
+                if r["rule"] == "kvzip"} for m in ("paper", "none")]
+    assert seconds[0] == seconds[1]  # one reconstruction (and its timing) shared by both modes
+
+    assert cli.main(["--report-only", "--lengths", "256", "--tasks", "niah_single_repeat,ppl_essay", "--samples",
+                     "2", "--budgets", "32,4096", "--rules", "knorm,snapkv,kvzip", "--checkpoint", "",
+                     "--protect", "paper,none", "--out", f"{both['paper']},{both['none']}"]) == 0
+    out = capsys.readouterr().out
+    assert f"## {both['paper']} (protect paper)" in out and f"## {both['none']} (protect none)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--out", f"{both['paper']},{both['none']}"])
+    assert "several --out folders need one --protect mode each" in capsys.readouterr().err
 
 
 def test_budget_parsing_follows_the_protect_mode():
