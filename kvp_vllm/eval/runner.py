@@ -12,8 +12,8 @@ keeps appending to those (`kvp-eval --compress-store --out FOLDER` migrates it o
 either name.
 
 Resuming: a sample is skipped when every requested (protocol, rule, budget) row of it is stored; when
-only some rules are missing (e.g. KVP added later with --checkpoint) only those are computed (the
-prefill is redone, the stored full-cache answer is reused). KVP rows record the sha256 of the policy
+only some rules or budgets are missing (e.g. KVP added later with --checkpoint, or a budget added
+to --budgets) only those are computed (the prefill is redone, the stored full-cache answer is reused). KVP rows record the sha256 of the policy
 weights that made them; after the checkpoint changes they count as missing and are recomputed (the
 newest row of a key wins), so one folder never mixes two policies.
 
@@ -694,7 +694,11 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
         full_keys = want[FULL]
         full_record = next((f.have[full_keys[0]] for f in folders if all(k in f.have for k in full_keys)), None)
         rules = [r for r in cfg.rules if any(r in m for m in missing.values())]
-        new = evaluate_sample(model, tokenizer, sample, rules, cfg.budgets, cfg.protocols, cfg.checkpoint,
+        # only the budgets some row lacks (e.g. a budget added to a finished folder): each budget's
+        # caches run as their own batches, so the rows equal those of a pass over every budget
+        lacking = {k[5] for f in folders for keys in want.values() for k in keys if k not in f.have}
+        budgets = [b for b in cfg.budgets if budget_label(b) in lacking]
+        new = evaluate_sample(model, tokenizer, sample, rules, budgets, cfg.protocols, cfg.checkpoint,
                               full_record, cfg.window, scorer_cache, timings,
                               protect=[mode for mode, m in missing.items() if m])
         computed += 1

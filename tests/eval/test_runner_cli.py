@@ -510,6 +510,31 @@ def test_one_pass_fills_a_folder_per_protect_mode(tmp_path, small_model, tokeniz
     assert "several --out folders need one --protect mode each" in capsys.readouterr().err
 
 
+def test_a_budget_added_later_computes_only_that_budget(tmp_path, small_model, tokenizer, monkeypatch):
+    """Resuming with one more budget runs only the new budget's compressed caches, and its rows equal
+    those of a folder made with both budgets at once."""
+    from kvp_vllm.eval import runner
+
+    def cfg(budgets):
+        return EvalConfig(tasks=["niah_single_repeat"], lengths=[256], samples=1, budgets=budgets,
+                          rules=["knorm", "snapkv"], protocols=["query_aware"])
+
+    run(cfg([32]), small_model, tokenizer, tmp_path / "later", progress=False, plots=False)
+    sizes = []
+    real = runner.P.evaluate_caches
+
+    def spy(model, pre, protocol, layers_per_rule, *args, **kwargs):
+        sizes.extend(layers[0][0].shape[2] for layers in layers_per_rule)
+        return real(model, pre, protocol, layers_per_rule, *args, **kwargs)
+    monkeypatch.setattr(runner.P, "evaluate_caches", spy)
+    run(cfg([32, 64]), small_model, tokenizer, tmp_path / "later", progress=False, plots=False)
+    assert sizes.count(64) == 2 and 32 not in sizes  # knorm and snapkv at 64 (beside the full cache)
+    monkeypatch.undo()
+    run(cfg([32, 64]), small_model, tokenizer, tmp_path / "at_once", progress=False, plots=False)
+    assert ({row_key(r): r for r in read_rows(tmp_path / "later" / "rows.jsonl")}
+            == {row_key(r): r for r in read_rows(tmp_path / "at_once" / "rows.jsonl")})
+
+
 def test_budget_parsing_follows_the_protect_mode():
     assert cli.parse_budgets("8,2", "none") == [8, 2]
     with pytest.raises(ValueError, match="at least 20"):
