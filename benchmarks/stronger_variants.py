@@ -17,6 +17,9 @@ be read against the noise of the sample.
 
 Writes stronger.md and stronger.json.gz. The folders must have evaluated the same prompts (their
 full-cache rows must agree); only the samples both folders have with every rule and budget count.
+--tasks restricts the report to some tasks (default: every task in the folders), e.g. the needle tasks
+the full cache solves while the folders also hold tasks it does not (vt, cwe, fwe at 2K), which would
+otherwise enter the task average.
 """
 
 from __future__ import annotations
@@ -162,16 +165,26 @@ def main(argv=None) -> int:
     p.add_argument("--paper", type=Path, required=True, help="kvp-eval folder run with --protect paper")
     p.add_argument("--none", type=Path, required=True, help="kvp-eval folder run with --protect none")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tasks", default=None, help="comma list: report only these tasks (default: all)")
     args = p.parse_args(argv)
+    paper, none = folder_rows(args.paper, "paper"), folder_rows(args.none, "none")
+    if args.tasks is not None:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        absent = sorted(set(tasks) - {r["task"] for r in paper})
+        if not tasks or absent:
+            raise SystemExit(f"stronger_variants: --tasks {args.tasks!r}: no rows of {', '.join(absent) or 'any task'}"
+                             f" in {args.paper}")
+        paper, none = ([r for r in rows if r["task"] in tasks] for rows in (paper, none))
     try:
-        rows = merged_rows(folder_rows(args.paper, "paper"), folder_rows(args.none, "none"))
+        rows = merged_rows(paper, none)
     except (RowMismatch, ValueError) as e:
         raise SystemExit(f"stronger_variants: {e}")
     if not rows:
         raise SystemExit("stronger_variants: the folders have no sample in common with every rule and budget")
     text, data = report(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}")
+    cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}"
+           + (f" --tasks {args.tasks}" if args.tasks is not None else ""))
     (args.out / "stronger.md").write_text(f"# KVP vs the stronger variant of each baseline\n\nCommand: `{cmd}`\n\n"
                                           + text)
     write_json(args.out / "stronger.json.gz", {"paper": str(args.paper), "none": str(args.none), **data})

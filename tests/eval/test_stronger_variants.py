@@ -90,6 +90,13 @@ def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
     assert read_bytes(tmp_path / "out" / "stronger.json.gz").startswith(b'{"paper": ')  # gzip, read back
     with pytest.raises(SystemExit, match="not a --protect none folder"):
         SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "paper"), "--out", str(tmp_path)])
+    SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "needle"),
+             "--tasks", "niah_single_repeat"])
+    md = (tmp_path / "needle" / "stronger.md").read_text()
+    assert "--tasks niah_single_repeat`" in md and "1 tasks" in md and "ppl_essay" not in md
+    with pytest.raises(SystemExit, match="no rows of vt"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path),
+                 "--tasks", "niah_single_repeat,vt"])
     run(cfg("none", seed=1), small_model, tokenizer, tmp_path / "other", progress=False, plots=False)
     with pytest.raises(SystemExit, match="no sample|different prompts"):
         SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "other"), "--out", str(tmp_path)])
