@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         if not tasks or absent:
             raise SystemExit(f"stronger_variants: --tasks {args.tasks!r}: no rows of {', '.join(absent) or 'any task'}"
                              f" in {args.paper}")
-        paper, none = ([r for r in rows if r["task"] in tasks] for rows in (paper, none))
+        paper = [r for r in paper if r["task"] in tasks]
+        none = [r for r in none if r["task"] in tasks]
     try:
         rows = merged_rows(paper, none)
     except (RowMismatch, ValueError) as e:

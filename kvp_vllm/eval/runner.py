@@ -38,7 +38,7 @@ import platform
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -663,8 +663,6 @@ def run(cfg: EvalConfig, model, tokenizer, out_dir: Path, progress: bool = True,
     about 70% of a 2K sample's time (the stages in progress.log.gz).
     shard (K, N): only the sample indices i with i % N == K, so N processes can fill the same folders
     side by side (their rows are appended under a lock; whichever ends last reports every row)."""
-    from dataclasses import replace
-
     from tqdm import tqdm
 
     kvp_sha = checkpoint_sha256(cfg.checkpoint)
