@@ -28,7 +28,7 @@ def _strs(s: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .collect import FUTURES, CollectConfig
+    from .collect import COMPRESS_POINTS, FUTURES, CollectConfig
     from .trainer import FitConfig
 
     p = argparse.ArgumentParser(prog="kvp-train", description=__doc__.split("\n")[0])
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--future", choices=FUTURES, default=d.future,
                    help="whose queries define importance: the model's own greedy answer (the paper), or the "
                         "harness task's reference continuation teacher-forced (essay text, canonical answer)")
+    c.add_argument("--compress-at", choices=COMPRESS_POINTS, default=d.compress_at,
+                   help="where the stored cache ends: the whole prompt (query-aware), or the harness task's "
+                        "context before its question (query-agnostic; the question's queries join the future)")
     c.add_argument("--tasks", type=_strs, default=d.tasks)
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--traces-per-shard", type=int, default=d.traces_per_shard)
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
             cfg = CollectConfig(model=args.model, lengths=args.lengths, num_traces=args.num_traces,
                                 answer_tokens=args.answer_tokens, window=args.window, tasks=args.tasks,
                                 decode_tokens=args.decode_tokens, future=args.future,
+                                compress_at=args.compress_at,
                                 seed=args.seed, traces_per_shard=args.traces_per_shard,
                                 max_disk_gb=args.max_disk_gb, dtype=args.dtype, device=args.device)
             out = collect(cfg, args.out, progress=not args.no_progress)

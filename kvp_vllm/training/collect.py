@@ -18,6 +18,12 @@ paper's setting) or "reference" (teacher-forced on the harness task's reference 
 held-out essay text of ppl_essay, the canonical answer of a QA task; the answer the harness scores,
 so the target is what perplexity measures; chat tasks have none and are refused).
 
+`compress_at` picks where the stored cache ends: "prompt" (the whole prompt, question included: the
+query-aware protocol) or "context" (the harness task's context alone: the query-agnostic protocol, a
+document compressed before its question is known). With "context" the question is fed after the cache
+and its queries count in the importance beside the answer's (the harness's query-agnostic oracle);
+chat tasks have no context/question split and are refused.
+
 Layout: <out>/manifest.json and <out>/layer_LL/shard_SSSSS.safetensors (one file per layer and shard of
 traces; tensor names "<trace_id>.<field>"), so training can stream one layer's data. Each shard's files
 are written under temporary names, renamed, and only then recorded (with sha256 and size) in the
@@ -46,6 +52,7 @@ MANIFEST = "manifest.json"
 TRACE_FORMAT = 1
 FIELDS = ("keys", "values", "importance", "window_queries")
 FUTURES = ("greedy", "reference")
+COMPRESS_POINTS = ("prompt", "context")
 
 
 class TraceError(ValueError):
@@ -61,6 +68,7 @@ class CollectConfig:
     window: int = 64                     # queries kept for TOVA/SnapKV evaluation
     decode_tokens: int = 0               # own greedy tokens appended to the prompt (mid-generation cache)
     future: str = "greedy"               # whose queries define importance: FUTURES
+    compress_at: str = "prompt"          # where the stored cache ends: COMPRESS_POINTS
     tasks: Sequence[str] = prompts.DEFAULT_MIX
     seed: int = prompts.TRAIN_SEED_BASE  # trace i uses seed + i
     traces_per_shard: int = 8
@@ -117,11 +125,12 @@ def plan(cfg: CollectConfig) -> List[dict]:
 
 @torch.no_grad()
 def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, decode_tokens: int = 0,
-                reference: Optional[Sequence[int]] = None) -> dict:
-    """One trace: prefill the prompt (capturing the last `window` queries), decode greedily (or feed
-    the first `answer_tokens` of `reference`, teacher-forced), capturing each answer token's queries,
-    then compute the future importance per layer. With `decode_tokens`, the model's own greedy
-    continuation of that many tokens is appended to the prompt first."""
+                reference: Optional[Sequence[int]] = None, question: Sequence[int] = ()) -> dict:
+    """One trace: prefill the prompt (capturing the last `window` queries), feed `question` (if any),
+    decode greedily (or feed the first `answer_tokens` of `reference`, teacher-forced), capturing the
+    queries of every token after the prompt, then compute the future importance per layer. With
+    `decode_tokens`, the model's own greedy continuation of that many tokens is appended to the prompt
+    first."""
     from ..capture import forward_capture
 
     ids = item.get("prompt_ids") or prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
@@ -141,6 +150,12 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, d
     wq = [q.clone() for q in pre.queries]
     answer, answer_q = [], [[] for _ in keys]
     cache, logits = pre.cache, pre.logits
+    if question:  # teacher-forced in one forward; its queries are part of the future
+        step = forward_capture(model, torch.tensor([list(question)], device=device), cache=cache,
+                               query_last=len(question))
+        for l, q in enumerate(step.queries):
+            answer_q[l].append(q)
+        cache, logits = step.cache, step.logits
     for i in range(answer_tokens if reference is None else min(answer_tokens, len(reference))):
         tok = int(logits[0, -1].float().argmax()) if reference is None else int(reference[i])
         answer.append(tok)
@@ -153,7 +168,7 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, d
             break
     full_keys = step.keys
     out = {"n_prompt": n, "n_answer": len(answer), "answer": answer, "generated": generated,
-           "layers": []}
+           "n_question": len(question), "layers": []}
     for l in range(len(keys)):
         q = torch.cat(answer_q[l], dim=1)  # [q_heads, F, d]
         c = future_importance(q, full_keys[l], n)
@@ -173,7 +188,8 @@ def _config_key(cfg: dict) -> dict:
     """Settings that must match to resume into an existing folder."""
     key = {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed", "traces_per_shard")}
     # folders from before these settings existed: 0 and greedy
-    return {**key, "decode_tokens": cfg.get("decode_tokens", 0), "future": cfg.get("future", "greedy")}
+    return {**key, "decode_tokens": cfg.get("decode_tokens", 0), "future": cfg.get("future", "greedy"),
+            "compress_at": cfg.get("compress_at", "prompt")}
 
 
 def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -> Path:
@@ -200,6 +216,16 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
         if chat:
             raise TraceError(f"--future reference: {', '.join(chat)} has no reference continuation; "
                              f"drop it from --tasks or collect it with --future greedy")
+    if cfg.compress_at not in COMPRESS_POINTS:
+        raise TraceError(f"unknown compress_at {cfg.compress_at!r}; choose one of {', '.join(COMPRESS_POINTS)}")
+    if cfg.compress_at == "context":
+        if cfg.decode_tokens:
+            raise TraceError("--compress-at context needs --decode-tokens 0: the question follows the "
+                             "context, not the model's own text")
+        chat = sorted(set(cfg.tasks) & set(prompts.CHAT_TASKS))
+        if chat:
+            raise TraceError(f"--compress-at context: {', '.join(chat)} has no context/question split; "
+                             f"drop it from --tasks or collect it with --compress-at prompt")
     model_path = resolve_model(cfg.model)  # fails before anything is written
     out = Path(out).expanduser()
     manifest_path = out / MANIFEST
@@ -209,8 +235,12 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
     items = plan(cfg)
     for item in items:
         try:
-            item["prompt_ids"] = prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
-                                                    item["seed"])
+            if cfg.compress_at == "context":
+                item["prompt_ids"], item["question_ids"] = prompts.context_and_question_ids(
+                    tokenizer, item["task"], item["target_tokens"], item["seed"])
+            else:
+                item["prompt_ids"] = prompts.prompt_ids(tokenizer, item["task"], item["target_tokens"],
+                                                        item["seed"])
             if cfg.future == "reference":
                 item["reference_ids"] = prompts.reference_ids(tokenizer, item["task"], item["target_tokens"],
                                                               item["seed"])
@@ -254,7 +284,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
         traces = []
         for item in batch:
             traces.append((item, collect_one(model, tokenizer, item, cfg.answer_tokens, cfg.window,
-                                                 cfg.decode_tokens, item.get("reference_ids"))))
+                                                 cfg.decode_tokens, item.get("reference_ids"),
+                                                 item.get("question_ids", ()))))
             bar.update(1)
         files, staged = {}, []
         try:
@@ -277,10 +308,11 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
                 if tmp.exists():
                     tmp.unlink()
         for item, tr in traces:
-            meta = {k: v for k, v in item.items() if k not in ("prompt_ids", "reference_ids")}
+            meta = {k: v for k, v in item.items() if k not in ("prompt_ids", "reference_ids", "question_ids")}
             manifest["traces"][item["id"]] = {**meta, "shard": s, "n_prompt": tr["n_prompt"],
                                               "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
                                               "answer": tokenizer.decode(tr["answer"]),
+                                              **({"question_ids": item["question_ids"]} if tr["n_question"] else {}),
                                               **({"generated_ids": tr["generated"]} if tr["generated"] else {})}
         manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})
         used += sum(f["bytes"] for f in files.values())

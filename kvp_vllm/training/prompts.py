@@ -11,7 +11,7 @@ prompt never equals an evaluation prompt.
 from __future__ import annotations
 
 import random
-from typing import List
+from typing import List, Tuple
 
 from ..eval import tasks as harness
 
@@ -113,6 +113,16 @@ def prompt_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]
         messages = CHAT_TASKS[task](rng, int(target_tokens * CHARS_PER_TOKEN))
         return _encode_chat(tokenizer, messages, target_tokens)
     return harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed).prompt_ids
+
+
+def context_and_question_ids(tokenizer, task: str, target_tokens: int, seed: int) -> Tuple[List[int], List[int]]:
+    """`prompt_ids` of a harness task split where the query-agnostic protocol compresses: (context,
+    question). Chat tasks have no such split."""
+    check_tasks([task])
+    if task in CHAT_TASKS:
+        raise ValueError(f"{task} has no context/question split")
+    sample = harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed)
+    return list(sample.context_ids), list(sample.question_ids)
 
 
 def reference_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]:

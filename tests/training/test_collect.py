@@ -211,3 +211,38 @@ def test_future_reference_teacher_forces_the_reference_continuation(tmp_path):
         with pytest.raises(TraceError, match=why):
             collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
         assert not (tmp_path / "refused").exists()
+
+
+def test_compress_at_context_stores_the_query_agnostic_cache(tmp_path):
+    """--compress-at context: the trace's cache is the harness task's context alone, the question is
+    fed after it, and the importance sums the queries of question and answer, as one forward of
+    context + question + answer computes it (the harness's query-agnostic oracle)."""
+    from kvp_vllm.eval.tasks import make_sample
+
+    cfg = CollectConfig(model="tiny-llama", lengths=(512,), num_traces=2, answer_tokens=4, window=8,
+                        traces_per_shard=2, tasks=("niah_single_repeat",), compress_at="context")
+    out = collect(cfg, tmp_path / "ctx", progress=False)
+    ts = TraceSet(out)
+    model, tok, _ = load_model(resolve_model("tiny-llama"))
+    for tid in ts.trace_ids:
+        meta = ts.meta(tid)
+        sample = make_sample(meta["task"], tok, meta["target_tokens"], index=0, seed=meta["seed"])
+        assert meta["n_prompt"] == len(sample.context_ids) and meta["question_ids"] == sample.question_ids
+        ids = sample.context_ids + sample.question_ids + meta["answer_ids"]
+        cap = forward_capture(model, torch.tensor([ids]), query_last=len(ids) - meta["n_prompt"])
+        for layer in range(ts.shape.num_layers):
+            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
+            stored = ts.load(tid, layer)["importance"]
+            assert stored.shape == (ts.shape.num_kv_heads, meta["n_prompt"])
+            assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+    cfg.compress_at = "prompt"  # another setting: no silent mix of query-aware and -agnostic caches
+    with pytest.raises(TraceError, match="other settings"):
+        collect(cfg, out, progress=False)
+    for bad, why in (({"tasks": ("niah_single_repeat", "essay_qa")}, "essay_qa has no context/question"),
+                     ({"decode_tokens": 8}, "needs --decode-tokens 0"),
+                     ({"compress_at": "question"}, "unknown compress_at 'question'")):
+        kw = {"model": "tiny-llama", "lengths": (512,), "num_traces": 1, "answer_tokens": 2,
+              "tasks": ("niah_single_repeat",), "compress_at": "context", **bad}
+        with pytest.raises(TraceError, match=why):
+            collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
+        assert not (tmp_path / "refused").exists()
