@@ -192,6 +192,16 @@ def _config_key(cfg: dict) -> dict:
             "compress_at": cfg.get("compress_at", "prompt")}
 
 
+def _check_harness_prompt_only(cfg: CollectConfig, option: str, default: str, lacks: str, why: str) -> None:
+    """An option that needs a harness task's own prompt: no chat task, no model-written text after it."""
+    if cfg.decode_tokens:
+        raise TraceError(f"{option} needs --decode-tokens 0: {why}")
+    chat = sorted(set(cfg.tasks) & set(prompts.CHAT_TASKS))
+    if chat:
+        raise TraceError(f"{option}: {', '.join(chat)} has no {lacks}; drop it from --tasks or collect it "
+                         f"with {default}")
+
+
 def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -> Path:
     """Collect (or resume) a trace folder. Returns the folder."""
     from safetensors.torch import save_file
@@ -209,23 +219,13 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
     if cfg.future not in FUTURES:
         raise TraceError(f"unknown future {cfg.future!r}; choose one of {', '.join(FUTURES)}")
     if cfg.future == "reference":
-        if cfg.decode_tokens:
-            raise TraceError("--future reference needs --decode-tokens 0: after the model's own text "
-                             "there is no reference continuation")
-        chat = sorted(set(cfg.tasks) & set(prompts.CHAT_TASKS))
-        if chat:
-            raise TraceError(f"--future reference: {', '.join(chat)} has no reference continuation; "
-                             f"drop it from --tasks or collect it with --future greedy")
+        _check_harness_prompt_only(cfg, "--future reference", "--future greedy", "reference continuation",
+                                   "after the model's own text there is no reference continuation")
     if cfg.compress_at not in COMPRESS_POINTS:
         raise TraceError(f"unknown compress_at {cfg.compress_at!r}; choose one of {', '.join(COMPRESS_POINTS)}")
     if cfg.compress_at == "context":
-        if cfg.decode_tokens:
-            raise TraceError("--compress-at context needs --decode-tokens 0: the question follows the "
-                             "context, not the model's own text")
-        chat = sorted(set(cfg.tasks) & set(prompts.CHAT_TASKS))
-        if chat:
-            raise TraceError(f"--compress-at context: {', '.join(chat)} has no context/question split; "
-                             f"drop it from --tasks or collect it with --compress-at prompt")
+        _check_harness_prompt_only(cfg, "--compress-at context", "--compress-at prompt", "context/question split",
+                                   "the question follows the context, not the model's own text")
     model_path = resolve_model(cfg.model)  # fails before anything is written
     out = Path(out).expanduser()
     manifest_path = out / MANIFEST

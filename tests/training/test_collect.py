@@ -15,16 +15,28 @@ from kvp_vllm.training.collect import (MANIFEST, CollectConfig, TraceError, Trac
 
 
 
-def _assert_importance_of_one_forward(model, ts, tid, context):
+def _assert_importance_of_one_forward(model, ts, tid, context, question=()):
     """The stored importance of trace `tid` equals the one computed from a single forward of its context
-    + answer (the answer queries are the last n_answer inputs). Returns that forward's capture."""
+    + question (if any) + answer (the future queries are the inputs after the context). Returns that
+    forward's capture."""
     meta = ts.meta(tid)
-    cap = forward_capture(model, torch.tensor([list(context) + meta["answer_ids"]]), query_last=meta["n_answer"])
+    cap = forward_capture(model, torch.tensor([list(context) + list(question) + meta["answer_ids"]]),
+                          query_last=len(question) + meta["n_answer"])
     for layer in range(ts.shape.num_layers):
         c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
         stored = ts.load(tid, layer)["importance"]
         assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
     return cap
+
+
+def _assert_refused_before_writing(tmp_path, settings, cases):
+    """Each (override, message) of `cases` on top of `settings` is refused with that message, and
+    nothing is written."""
+    for bad, why in cases:
+        kw = {"model": "tiny-llama", "num_traces": 1, "answer_tokens": 2, **settings, **bad}
+        with pytest.raises(TraceError, match=why):
+            collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
+        assert not (tmp_path / "refused").exists()
 
 
 def test_layout_and_manifest(tiny_traces):
@@ -203,14 +215,10 @@ def test_future_reference_teacher_forces_the_reference_continuation(tmp_path):
     with pytest.raises(TraceError, match="other settings"):
         collect(cfg, out, progress=False)
     # refused before anything is written: chat tasks (no reference), mid-generation caches, unknown names
-    for bad, why in (({"tasks": ("ppl_essay", "conversation")}, "conversation has no reference"),
-                     ({"decode_tokens": 8}, "needs --decode-tokens 0"),
-                     ({"future": "oracle"}, "unknown future 'oracle'")):
-        kw = {"model": "tiny-llama", "lengths": (160,), "num_traces": 1, "answer_tokens": 2,
-              "tasks": ("ppl_essay",), "future": "reference", **bad}
-        with pytest.raises(TraceError, match=why):
-            collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
-        assert not (tmp_path / "refused").exists()
+    _assert_refused_before_writing(tmp_path, {"lengths": (160,), "tasks": ("ppl_essay",), "future": "reference"},
+                                   (({"tasks": ("ppl_essay", "conversation")}, "conversation has no reference"),
+                                    ({"decode_tokens": 8}, "needs --decode-tokens 0"),
+                                    ({"future": "oracle"}, "unknown future 'oracle'")))
 
 
 def test_compress_at_context_stores_the_query_agnostic_cache(tmp_path):
@@ -228,21 +236,12 @@ def test_compress_at_context_stores_the_query_agnostic_cache(tmp_path):
         meta = ts.meta(tid)
         sample = make_sample(meta["task"], tok, meta["target_tokens"], index=0, seed=meta["seed"])
         assert meta["n_prompt"] == len(sample.context_ids) and meta["question_ids"] == sample.question_ids
-        ids = sample.context_ids + sample.question_ids + meta["answer_ids"]
-        cap = forward_capture(model, torch.tensor([ids]), query_last=len(ids) - meta["n_prompt"])
-        for layer in range(ts.shape.num_layers):
-            c = future_importance(cap.queries[layer], cap.keys[layer], meta["n_prompt"])
-            stored = ts.load(tid, layer)["importance"]
-            assert stored.shape == (ts.shape.num_kv_heads, meta["n_prompt"])
-            assert torch.allclose(stored, c, atol=2e-4), (layer, (stored - c).abs().max())
+        _assert_importance_of_one_forward(model, ts, tid, sample.context_ids, sample.question_ids)
     cfg.compress_at = "prompt"  # another setting: no silent mix of query-aware and -agnostic caches
     with pytest.raises(TraceError, match="other settings"):
         collect(cfg, out, progress=False)
-    for bad, why in (({"tasks": ("niah_single_repeat", "essay_qa")}, "essay_qa has no context/question"),
-                     ({"decode_tokens": 8}, "needs --decode-tokens 0"),
-                     ({"compress_at": "question"}, "unknown compress_at 'question'")):
-        kw = {"model": "tiny-llama", "lengths": (512,), "num_traces": 1, "answer_tokens": 2,
-              "tasks": ("niah_single_repeat",), "compress_at": "context", **bad}
-        with pytest.raises(TraceError, match=why):
-            collect(CollectConfig(**kw), tmp_path / "refused", progress=False)
-        assert not (tmp_path / "refused").exists()
+    _assert_refused_before_writing(
+        tmp_path, {"lengths": (512,), "tasks": ("niah_single_repeat",), "compress_at": "context"},
+        (({"tasks": ("niah_single_repeat", "essay_qa")}, "essay_qa has no context/question"),
+         ({"decode_tokens": 8}, "needs --decode-tokens 0"),
+         ({"compress_at": "question"}, "unknown compress_at 'question'")))
