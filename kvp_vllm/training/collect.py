@@ -187,7 +187,7 @@ def _write_json_atomic(path: Path, obj) -> None:
 def _config_key(cfg: dict) -> dict:
     """Settings that must match to resume into an existing folder."""
     key = {k: cfg.get(k) for k in ("lengths", "answer_tokens", "window", "tasks", "seed", "traces_per_shard")}
-    # folders from before these settings existed: 0 and greedy
+    # folders from before these settings existed: 0, greedy and prompt
     return {**key, "decode_tokens": cfg.get("decode_tokens", 0), "future": cfg.get("future", "greedy"),
             "compress_at": cfg.get("compress_at", "prompt")}
 
