@@ -13,9 +13,10 @@ either name.
 
 Resuming: a sample is skipped when every requested (protocol, rule, budget) row of it is stored; when
 only some rules or budgets are missing (e.g. KVP added later with --checkpoint, or a budget added
-to --budgets) only those are computed (the prefill is redone, the stored full-cache answer is reused). KVP rows record the sha256 of the policy
-weights that made them; after the checkpoint changes they count as missing and are recomputed (the
-newest row of a key wins), so one folder never mixes two policies.
+to --budgets) only those are computed (the prefill is redone, the stored full-cache answer is
+reused). KVP rows record the sha256 of the policy weights that made them; after the checkpoint
+changes they count as missing and are recomputed (the newest row of a key wins), so one folder never
+mixes two policies.
 
 Definitions and protection. Every rule row also records `rule_def`, the definition of the rule that
 made it (`Scorer.definition`: "v1", "v2", ...; see kvp_vllm/scorers/base.py), and `protect`, the

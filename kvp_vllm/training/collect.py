@@ -168,7 +168,7 @@ def collect_one(model, tokenizer, item: dict, answer_tokens: int, window: int, d
             break
     full_keys = step.keys
     out = {"n_prompt": n, "n_answer": len(answer), "answer": answer, "generated": generated,
-           "n_question": len(question), "layers": []}
+           "layers": []}
     for l in range(len(keys)):
         q = torch.cat(answer_q[l], dim=1)  # [q_heads, F, d]
         c = future_importance(q, full_keys[l], n)
@@ -312,7 +312,7 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
             manifest["traces"][item["id"]] = {**meta, "shard": s, "n_prompt": tr["n_prompt"],
                                               "n_answer": tr["n_answer"], "answer_ids": tr["answer"],
                                               "answer": tokenizer.decode(tr["answer"]),
-                                              **({"question_ids": item["question_ids"]} if tr["n_question"] else {}),
+                                              **({"question_ids": item["question_ids"]} if "question_ids" in item else {}),
                                               **({"generated_ids": tr["generated"]} if tr["generated"] else {})}
         manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})
         used += sum(f["bytes"] for f in files.values())

@@ -115,20 +115,22 @@ def prompt_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]
     return harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed).prompt_ids
 
 
+def _harness_sample(tokenizer, task: str, target_tokens: int, seed: int, what: str):
+    """The harness's sample behind `prompt_ids` of a harness task; chat tasks have no `what`."""
+    check_tasks([task])
+    if task in CHAT_TASKS:
+        raise ValueError(f"{task} has no {what}")
+    return harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed)
+
+
 def context_and_question_ids(tokenizer, task: str, target_tokens: int, seed: int) -> Tuple[List[int], List[int]]:
     """`prompt_ids` of a harness task split where the query-agnostic protocol compresses: (context,
     question). Chat tasks have no such split."""
-    check_tasks([task])
-    if task in CHAT_TASKS:
-        raise ValueError(f"{task} has no context/question split")
-    sample = harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed)
+    sample = _harness_sample(tokenizer, task, target_tokens, seed, "context/question split")
     return list(sample.context_ids), list(sample.question_ids)
 
 
 def reference_ids(tokenizer, task: str, target_tokens: int, seed: int) -> List[int]:
     """The reference continuation of a harness task's prompt (`prompt_ids` with the same arguments):
     the held-out text of a perplexity task, the canonical answer of a QA task. Chat tasks have none."""
-    check_tasks([task])
-    if task in CHAT_TASKS:
-        raise ValueError(f"{task} has no reference continuation")
-    return list(harness.make_sample(task, tokenizer, target_tokens, index=0, seed=seed).gold_ids)
+    return list(_harness_sample(tokenizer, task, target_tokens, seed, "reference continuation").gold_ids)
