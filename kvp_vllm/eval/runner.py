@@ -35,7 +35,6 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -45,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..environment import numerics_environment
 from ..scorers import LEGACY_DEFINITION, SCORERS, make_scorer, rule_definition
 from ..selection import DEFAULT_PROTECT, protected_counts
 from . import protocol as P
@@ -582,9 +582,7 @@ def write_outputs(out_dir: Path, cfg: EvalConfig, rows: List[Dict], extra: Dict)
         "measured": {"samples_per_task_all_rules": samples_done(rows, reported_rules(rows, cfg.rules)),
                      "rows": len(rows), **({"stale_variants_reported": stale} if stale else {}),
                      **extra},
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": __import__("transformers").__version__,
-                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "environment": numerics_environment(),
         "notes": ["perplexity task: both protocols coincide (no question), reported as query_aware",
                   "accuracy = every expected answer present in the greedy output (RULER exact match)",
                   "aggregates cover the samples that have every rule and budget (the same samples "

@@ -32,6 +32,7 @@ manifest, itself replaced atomically: an interrupted run resumes at the first un
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..assets import sha256_file
+from ..environment import numerics_environment
 from ..importance import future_importance
 from ..policy import ModelShape
 from . import prompts
@@ -296,7 +298,9 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
                            for item, tr in traces for k in FIELDS}
                 fd, tmp = tempfile.mkstemp(dir=layer_dir, prefix=".shard-", suffix=".tmp")
                 os.close(fd)
-                save_file(tensors, tmp, metadata={"format": "kvp-traces", "layer": str(l)})
+                # one metadata key: safetensors writes several in hash order, and the file's sha256
+                # is the content digest a rebuild compares (the layer is in the path)
+                save_file(tensors, tmp, metadata={"format": "kvp-traces"})
                 staged.append((Path(tmp), layer_dir / f"shard_{s:05d}.safetensors"))
             for tmp, final in staged:
                 os.replace(tmp, final)
@@ -314,7 +318,8 @@ def collect(cfg: CollectConfig, out: str | os.PathLike, progress: bool = True) -
                                               "answer": tokenizer.decode(tr["answer"]),
                                               **({"question_ids": item["question_ids"]} if "question_ids" in item else {}),
                                               **({"generated_ids": tr["generated"]} if tr["generated"] else {})}
-        manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files})
+        manifest["shards"].append({"shard": s, "traces": [it["id"] for it, _ in traces], "files": files,
+                                   "environment": numerics_environment()})
         used += sum(f["bytes"] for f in files.values())
         manifest["bytes"] = used
         _write_json_atomic(manifest_path, manifest)
@@ -397,6 +402,13 @@ class TraceSet:
         except Exception as e:  # noqa: BLE001
             raise TraceError(f"trace {tid} layer {layer} cannot be read from {self.folder}: {e}") from e
 
+    @property
+    def content_sha256(self) -> str:
+        """One digest of the complete shards' files (from the manifest's sha256s): equal digests, equal
+        traces. A fit records it, so a rebuild can check its traces before training on them."""
+        shas = sorted(f["sha256"] for s in self.manifest["shards"] for f in s["files"].values())
+        return hashlib.sha256("\n".join(shas).encode()).hexdigest()
+
     def split(self, name: str) -> List[str]:
         """Deterministic split by trace index: every 8th trace (index % 8 == 0) is 'test', index % 8
         == 4 is 'val' (model selection), the rest 'train'."""
@@ -428,6 +440,7 @@ class TraceUnion:
         self.manifest = {"config": [t.manifest["config"] for t in self.sets],
                          "model_path": first.manifest.get("model_path")}
         self.trace_ids = [f"{i}/{tid}" for i, t in enumerate(self.sets) for tid in t.trace_ids]
+        self.content_sha256 = ",".join(t.content_sha256 for t in self.sets)  # like `folder`: one per set
 
     def _resolve(self, tid: str):
         i, _, inner = tid.partition("/")

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..environment import numerics_environment
 from ..importance import check_budget_weighting
 from ..policy import CheckpointError, KVPPolicy, PolicyConfig, check_shape
 from ..selection import DEFAULT_RECENT, DEFAULT_SINKS
@@ -323,7 +324,8 @@ def fit(cfg: FitConfig, progress: bool = True, command: Optional[str] = None) ->
         best = (math.nan, cfg.steps, ema.module.state_dict())
     final = KVPPolicy(policy.config)
     final.load_state_dict({k: v.detach().float().cpu() for k, v in best[2].items()})
-    extra = {"trained_on": str(traces.folder), "trace_model": shape.model_name,
+    extra = {"trained_on": str(traces.folder), "traces_sha256": traces.content_sha256,
+             "environment": numerics_environment(), "trace_model": shape.model_name,
              "trace_manifest_config": traces.manifest["config"], "layers_trained": [layers.start, layers.stop - 1],
              "train_traces": len(train_ids), "val_traces": len(val_ids), "best_step": best[1],
              "best_val_normalised_cost": best[0], "fit_config": asdict(cfg), "world_size": world,

@@ -1,4 +1,4 @@
-"""Trace collection: layout, the stored future importance, resume, and bad input."""
+"""Trace collection: layout, the stored future importance, resume, the content digest, and bad input."""
 
 import json
 import shutil
@@ -94,10 +94,16 @@ def test_resume_adds_shards_without_rewriting(tmp_path):
                         traces_per_shard=2, tasks=("essay_qa", "conversation"))
     out = collect(cfg, tmp_path / "t", progress=False)
     before = (out / "layer_00" / "shard_00000.safetensors").stat().st_mtime_ns
+    first = TraceSet(out).content_sha256
+    again = collect(cfg, tmp_path / "again", progress=False)  # same settings, same machine: same bytes
+    assert TraceSet(again).content_sha256 == first
     cfg.num_traces = 6
     collect(cfg, out, progress=False)
     ts = TraceSet(out)
     assert len(ts.trace_ids) == 6
+    assert ts.content_sha256 != first  # the digest covers every shard
+    assert {s["environment"]["cpu_capability"] for s in ts.manifest["shards"]} == \
+        {torch.backends.cpu.get_cpu_capability()}
     assert (out / "layer_00" / "shard_00000.safetensors").stat().st_mtime_ns == before
     cfg.answer_tokens = 3  # other settings: refuse to mix
     with pytest.raises(TraceError, match="other settings"):

@@ -23,6 +23,9 @@ def test_fit_writes_a_loadable_policy_log_and_plot(tiny_traces, tmp_path):
     policy = KVPPolicy.load(out, expect=ts.shape)
     extra = json.loads((out / "config.json").read_text())["extra"]
     assert extra["best_step"] in (0, 3, 6) and extra["train_traces"] == 12
+    # what a rebuild checks first: the traces it trained on, and the machine's numerics
+    assert extra["traces_sha256"] == ts.content_sha256
+    assert extra["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     rows = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
     assert sum("loss" in r for r in rows) == 6 and sum("val_cost" in r for r in rows) == 3
     assert all(r["val_cost"] >= 1.0 - 1e-6 for r in rows if "val_cost" in r)
@@ -48,6 +51,7 @@ def test_fit_and_evaluate_on_two_trace_folders(tiny_traces, tmp_path):
     extra = json.loads((out / "config.json").read_text())["extra"]
     assert extra["train_traces"] == 12 + 6 and extra["val_traces"] == 2 + 1
     assert len(extra["trace_manifest_config"]) == 2
+    assert extra["traces_sha256"] == f"{TraceSet(tiny_traces).content_sha256},{TraceSet(more).content_sha256}"
     assert cli.main(["evaluate", "--traces", f"{tiny_traces},{more}", "--split", "test", "--lengths", "640",
                      "--no-progress"]) == 0
     other = tmp_path / "qwen"
