@@ -1,8 +1,8 @@
 """What a result was computed on. fp32 CPU runs are deterministic on one kind of machine, but the last
 digits move with the CPU's vector instructions: stage 7's traces collected again on an AMD AVX2 machine
 differed from the first collection's in the sixth significant digit, and the fit from them gave other
-weights. Traces,
-policies and evaluation results record this so that a rebuild can tell why it differs."""
+weights. Traces, policies and evaluation results record this so that a rebuild can tell why it
+differs."""
 
 from __future__ import annotations
 
