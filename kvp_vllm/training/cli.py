@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="JSON file (a .md table is written beside it)")
     e.add_argument("--show-layers", type=_ints, default=None)
     e.add_argument("--no-progress", action="store_true")
+
+    g = sub.add_parser("plot", help="redraw a fit's loss / normalised-cost plot from its log "
+                                    "(train_log.jsonl or .jsonl.gz)")
+    g.add_argument("log", help="train log, e.g. kvp_vllm/checkpoints/*/train_log_stage5.jsonl.gz")
+    g.add_argument("--out", required=True, help="PNG file to write")
     return p
 
 
@@ -123,7 +128,12 @@ def main(argv=None) -> int:
                 print(f"policy in {out}")
         elif args.cmd == "evaluate":
             evaluate_cmd(args, command)
-    except (TraceError, CheckpointError, ValueError) as e:
+        elif args.cmd == "plot":
+            from .trainer import plot_log
+
+            plot_log(Path(args.log), Path(args.out))
+            print(f"plot in {args.out}")
+    except (TraceError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"kvp-train: error: {e}", file=sys.stderr)
         return 2
     return 0

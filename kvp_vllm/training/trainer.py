@@ -194,8 +194,11 @@ def plot_log(log_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from ..eval.plots import save_png
+    from ..eval.store import open_text
 
-    rows = [json.loads(l) for l in log_path.read_text().splitlines() if l.strip()]
+    # logs are kept as train_log.jsonl (fresh fit) or .jsonl.gz (committed): both redraw
+    with open_text(log_path) as f:
+        rows = [json.loads(l) for l in f if l.strip()]
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_cost" in r]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -1,5 +1,6 @@
 """The trainer and CLI on tiny traces: checkpoint, log, plot, evaluation, bad input, and two-process DDP."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -32,6 +33,13 @@ def test_fit_writes_a_loadable_policy_log_and_plot(tiny_traces, tmp_path):
     assert (out / "train_curve.png").stat().st_size > 1000
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     assert policy.config.num_layers == 3
+    # committed logs are gzipped and their plots are not committed: `kvp-train plot` redraws from either
+    gz = tmp_path / "train_log.jsonl.gz"
+    gz.write_bytes(gzip.compress((out / "train_log.jsonl").read_bytes()))
+    assert cli.main(["plot", str(gz), "--out", str(tmp_path / "redrawn.png")]) == 0
+    assert (tmp_path / "redrawn.png").stat().st_size > 1000
+    assert cli.main(["plot", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x.png")]) == 2
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_fit_and_evaluate_on_two_trace_folders(tiny_traces, tmp_path):
