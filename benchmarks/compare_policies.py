@@ -12,7 +12,8 @@ recomputed, never mixed), so evaluate the older policy alone in a folder of its 
 The older policy's KVP rows become rule LABEL; both folders must have evaluated the same prompts (their
 full-cache rows must agree). Writes compare.md (task-averaged accuracy and perplexity tables over the
 samples both folders have; for perplexity also the paired per-sample difference of the other policy
-minus the base's KVP, mean ± standard error), compare.json.gz and the usual plots.
+minus the base's KVP, mean ± standard error; for needles the prompts only one policy answered, with the
+exact sign test on them), compare.json.gz and the usual plots.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvp_vllm.eval.plots import plot_all  # noqa: E402
-from kvp_vllm.eval.runner import (RowMismatch, aggregate, folder_policy_sha256, complete_rows,  # noqa: E402
-                                  current_rows, markdown_summary, merge_policy_rows, paired_difference,
-                                  paired_table, per_sample_loglik, read_rows, task_average,
+from kvp_vllm.eval.runner import (RowMismatch, _budget_sort, aggregate, folder_policy_sha256, complete_rows,  # noqa: E402
+                                  current_rows, markdown_summary, merge_policy_rows, paired_answers,
+                                  paired_difference, paired_table, per_sample_loglik, read_rows, task_average,
                                   task_average_table)
 from kvp_vllm.eval.store import MixedStore, write_json  # noqa: E402
 
@@ -42,6 +43,18 @@ def folder_rows(folder: Path):
     if not rows:
         raise SystemExit(f"compare_policies: no rows in {folder}")
     return rows, sha
+
+
+def answers_table(answers) -> str:
+    budgets = sorted({d["budget"] for d in answers}, key=_budget_sort)
+    cell = {(d["length"], d["protocol"], d["budget"]): d for d in answers}
+    lines = ["| length | protocol | prompts | " + " | ".join(f"b={b}" for b in budgets) + " |",
+             "|" + "---|" * (len(budgets) + 3)]
+    for length, protocol in sorted({(d["length"], d["protocol"]) for d in answers}):
+        ds = [cell.get((length, protocol, b)) for b in budgets]
+        vals = [f"+{d['won']} / -{d['lost']} (p = {d['p_value']:.2f})" if d else "" for d in ds]
+        lines.append(f"| {length} | {protocol} | {max(d['prompts'] for d in ds if d)} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -81,11 +94,19 @@ def main(argv=None) -> int:
         lines.append(f"## {task}, {length} tokens: paired difference of the log-likelihood per token, "
                      f"{args.label} minus kvp (mean ± standard error over the samples; positive: "
                      f"{args.label} better)\n\n{paired_table(paired, length, task)}\n")
+    answers = [d for length in sorted({r["length"] for r in rows}) for protocol in sorted({r["protocol"] for r in rows})
+               for budget in sorted({a["budget"] for a in agg if a["budget"] != "full"}, key=_budget_sort)
+               for d in [paired_answers(rows, length, protocol, budget, args.label, "kvp")] if d]
+    if answers:
+        lines.append(f"## needle answers, {args.label} against kvp on the same prompts\n\n"
+                     f"Prompts only {args.label} answered (+) / only kvp answered (-), and the exact two-sided "
+                     f"sign test on those (p: the chance of a split this uneven between equally good "
+                     f"policies).\n\n{answers_table(answers)}\n")
     (args.out / "compare.md").write_text("\n".join(lines))
     write_json(args.out / "compare.json.gz", {"base": str(args.base), "other": str(args.other),
                                               "label": args.label, "base_sha256": base_sha,
                                               "other_sha256": other_sha, "aggregate": agg, "task_average": avg,
-                                              "paired_perplexity": paired})
+                                              "paired_perplexity": paired, "paired_answers": answers})
     plot_all(agg, args.out, avg)
     print("\n".join(lines))
     return 0

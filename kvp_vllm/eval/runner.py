@@ -489,6 +489,29 @@ def paired_difference(loglik: Dict[Tuple, Dict[int, float]], length: int, task: 
             "stderr": sd / math.sqrt(len(diffs))}
 
 
+def paired_answers(rows: List[Dict], length: int, protocol: str, budget: str, rule: str,
+                   other: str) -> Optional[Dict]:
+    """`rule`'s needle answers against `other`'s on the same prompts (every task scored by `correct`):
+    the prompts only `rule` answered (won), those only `other` answered (lost), and the exact two-sided
+    sign test on those discordant prompts (McNemar's exact test): the chance of a split at least this
+    uneven if the two were equally good. None when they share no prompt."""
+    got: Dict[str, Dict[Tuple, bool]] = defaultdict(dict)
+    for r in rows:
+        if (r["length"], r["protocol"], r["budget"]) == (length, protocol, budget) and r["rule"] in (rule, other) \
+                and r.get("correct") is not None and not r["task"].startswith("ppl_"):
+            got[r["rule"]][r["task"], r["index"]] = bool(r["correct"])
+    ours, theirs = got.get(rule, {}), got.get(other, {})
+    shared = ours.keys() & theirs.keys()
+    if not shared:
+        return None
+    won = sum(ours[k] and not theirs[k] for k in shared)
+    lost = sum(theirs[k] and not ours[k] for k in shared)
+    n = won + lost
+    tail = sum(math.comb(n, i) for i in range(min(won, lost) + 1)) / 2 ** n
+    return {"length": length, "protocol": protocol, "budget": budget, "prompts": len(shared), "won": won,
+            "lost": lost, "p_value": min(1.0, 2 * tail)}
+
+
 def paired_table(diffs: List[Dict], length: int, task: str) -> str:
     """Markdown: one line per compared rule (`rule`), one column per budget, mean ± standard error
     (marked ᴺ when the compared row was a --protect none variant)."""

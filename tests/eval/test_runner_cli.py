@@ -351,12 +351,33 @@ def test_compare_policies_script_writes_tables_and_plots(tmp_path):
     assert "| kvp_old | 1.000 |" in md and "| tova | 0.000 |" in md
     # per essay the other policy is 0.1 and 0.2 nats per token better: mean 0.15, standard error 0.05
     assert "kvp_old minus kvp" in md and "| kvp | +0.150 ± 0.050 |" in md
+    assert "| 512 | query_aware | 2 | +0 / -0 (p = 1.00) |" in md  # both policies answer both prompts
     assert (tmp_path / "cmp" / "eval_task_average_512.png").exists()
     report = json.loads(gzip.decompress((tmp_path / "cmp" / "compare.json.gz").read_bytes()))
     assert {a["rule"] for a in report["aggregate"]} >= {"kvp_old", "kvp", "tova"}
     proc = subprocess.run([sys.executable, str(script), "--base", str(base), "--other", str(other),
                            "--label", "tova", "--out", str(tmp_path / "cmp2")], capture_output=True, text=True)
     assert proc.returncode != 0 and "already a rule" in proc.stderr
+
+
+def test_paired_answers_counts_discordant_prompts_and_sign_test():
+    """Won / lost count the prompts only one policy answered (per task and sample, one budget and
+    protocol); the p-value is the exact two-sided binomial test on those."""
+    from kvp_vllm.eval.runner import paired_answers
+
+    new = [True] * 7 + [False] * 3 + [True]  # index 10 at another budget: not counted
+    old = [False] * 6 + [True] * 2 + [False] * 2 + [False]
+    rows = [_synthetic("kvp_new", i, c, budget="128" if i == 10 else "64") for i, c in enumerate(new)] + \
+           [_synthetic("kvp", i, c, budget="128" if i == 10 else "64") for i, c in enumerate(old)] + \
+           [{**_synthetic("kvp_new", 0, True), "task": "ppl_essay", "correct": None}]
+    d = paired_answers(rows, 256, "query_aware", "64", "kvp_new", "kvp")
+    assert (d["prompts"], d["won"], d["lost"]) == (10, 6, 1)
+    assert d["p_value"] == pytest.approx(2 * (1 + 7) / 2 ** 7)  # P(X <= 1 | n = 7), both tails
+    swapped = paired_answers(rows, 256, "query_aware", "64", "kvp", "kvp_new")
+    assert (swapped["won"], swapped["lost"], swapped["p_value"]) == (1, 6, d["p_value"])
+    assert paired_answers(rows, 256, "query_agnostic", "64", "kvp_new", "kvp") is None
+    tie = paired_answers(rows, 256, "query_aware", "128", "kvp_new", "kvp")
+    assert (tie["won"], tie["lost"], tie["p_value"]) == (1, 0, 1.0)
 
 
 def _synthetic(rule, index, correct, budget="64", **fields):
