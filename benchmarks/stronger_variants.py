@@ -5,7 +5,9 @@ recent tokens always kept, the KVP paper's protocol) and `--protect none` (each 
 kvpress runs them). Protection helps some rules (StreamingLLM-like recency) and costs others answers
 (K-Norm, KeyDiff, LagKV spend budget on tokens they would not keep). This report takes, for every
 baseline and every cell (length, protocol, budget), the better of its two variants, and marks which
-one it was; KVP is the shipped server's setting (`paper`). Both variants are also listed in full.
+one it was; KVP is the shipped server's setting (`paper`). Both variants of each baseline are also listed
+in full. The none folder's KVP rows (KVP without protection) are left out: they are not how KVP is
+served, that folder's own report shows them, and they may be an earlier policy's.
 
   python benchmarks/stronger_variants.py --paper benchmarks/results/eval_smollm2_2k_faithful_protect_paper \\
       --none benchmarks/results/eval_smollm2_2k_faithful_protect_none \\
@@ -53,8 +55,11 @@ def folder_rows(folder: Path, protect: str) -> List[Dict]:
     return rows
 
 
-def merged_rows(paper: List[Dict], none: List[Dict]) -> List[Dict]:
-    """The paper folder's rows plus the none folder's rule rows as `<rule>[protect=none]`."""
+def merged_rows(paper: List[Dict], none: List[Dict], kvp: str = "kvp") -> List[Dict]:
+    """The paper folder's rows plus the none folder's baseline rows as `<rule>[protect=none]`. KVP is
+    compared as served (`paper`), so the none folder's KVP rows (KVP without protection, possibly of an
+    earlier policy) never enter the comparison nor decide which samples are complete."""
+    none = [r for r in none if r["rule"] != kvp]
     labels = {r["rule"]: r["rule"] + NONE_SUFFIX for r in none if r["rule"] != FULL}
     return complete_rows(merge_rows(paper, none, labels))
 

@@ -36,6 +36,22 @@ def test_each_baseline_is_its_stronger_variant_and_kvp_stays_as_served():
     assert "| knorm | 0.300ᴺ | 0.500 |" in table and "| streaming | 0.200 | 0.500 |" in table
 
 
+def test_kvp_rows_of_the_none_folder_stay_out_of_the_comparison():
+    """KVP is compared as served: a none folder whose KVP rows are missing (or another policy's) keeps
+    every sample, and no kvp[protect=none] rule appears."""
+    def row(rule, i, correct, budget="128"):
+        return {"task": "niah_single_repeat", "length": 2048, "index": i, "protocol": "query_aware", "rule": rule,
+                "budget": budget, "prompt_tokens": 2000, "output": " 1", "correct": correct, "gold_logprob": -1.0,
+                "gold_tokens": 2}
+
+    paper = [row(r, i, True, "full" if r == "full" else "128") for i in range(2) for r in ("full", "kvp", "knorm")]
+    none = [row("full", i, True, "full") for i in range(2)] + [row("knorm", i, i == 0) for i in range(2)] + \
+           [row("kvp", 0, False)]  # KVP without protection: one sample only
+    rows = SV.merged_rows(paper, none)
+    assert {r["rule"] for r in rows} == {"full", "kvp", "knorm", "knorm[protect=none]"}
+    assert {r["index"] for r in rows if r["rule"] == "kvp"} == {0, 1}
+
+
 def test_paired_perplexity_difference_is_against_the_stronger_variant():
     """Per sample, KVP's log-likelihood per token minus the baseline's stronger variant's: mean and
     standard error over the samples (positive: KVP better)."""
