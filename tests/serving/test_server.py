@@ -170,7 +170,7 @@ def test_needle_recall_kvp_beats_streaming(server):
     print(f"needle recall out of {len(items)} at budget {budget}: {correct}")
     assert correct["none"] >= 3, correct  # the task is solvable with the full cache
     assert correct["kvp"] > correct["streaming"], correct
-    # KVP's own recall. Measured (fp32, this server; policy v11c, as v8b and v6): none 4, kvp 4, keydiff 2, knorm 1,
+    # KVP's own recall. Measured (fp32, this server; policy v11d, as v11c, v8b and v6): none 4, kvp 4, keydiff 2, knorm 1,
     # tova 1, streaming/lagkv/snapkv/expected_attention/random 0 of 4; README claims 4/4. At least 3 of 4 (one miss of slack for
     # fp32 batch-order drift): a policy that ranks like random (0/4), like the best baseline (2/4) or
     # that evicts the needle fails here.
