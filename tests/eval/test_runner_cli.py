@@ -415,6 +415,23 @@ def test_rows_of_another_definition_or_protect_mode_are_never_mixed():
         ["full", "knorm[protect=paper]", "tova@v1[protect=paper]"]
 
 
+def test_kvp_rows_of_a_later_policy_do_not_hide_the_reported_policys():
+    """A store holds policy A's KVP rows, then policy B's for the same prompts (a one-pass run with
+    --checkpoint B): reported under A, A's rows are still there; under B, B's."""
+    from kvp_vllm.eval.runner import current_rows
+
+    rows = [_synthetic("full", i, True) for i in range(2)] + \
+           [_synthetic("kvp", i, True, checkpoint_sha256="A") for i in range(2)] + \
+           [_synthetic("kvp", i, False, checkpoint_sha256="B") for i in range(2)]
+    for sha, correct in (("A", True), ("B", False)):
+        rep = [r for r in current_rows(rows, sha) if r["rule"] == "kvp"]
+        assert sorted(r["index"] for r in rep) == [0, 1] and {r["correct"] for r in rep} == {correct}, sha
+    # a recomputed row of the same policy still replaces the older one
+    redo = _synthetic("kvp", 0, False, checkpoint_sha256="A")
+    rep = {r["index"]: r["correct"] for r in current_rows(rows + [redo], "A") if r["rule"] == "kvp"}
+    assert rep == {0: False, 1: True}
+
+
 def test_stale_definitions_are_recomputed_on_resume(tmp_path, small_model, tokenizer):
     """A folder from before definitions were versioned: its TOVA rows (v1) are recomputed with v2,
     its K-Norm rows (unchanged, v1) are kept; every new row records rule_def and protect."""
