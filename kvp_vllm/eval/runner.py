@@ -281,10 +281,10 @@ def variant_label(rule: str, definition: str, protect: str, current_protect: str
 
 def current_rows(rows: List[Dict], kvp_sha: Optional[str], protect: str = DEFAULT_PROTECT) -> List[Dict]:
     """The rows to report: the newest row of every key (per policy for KVP); KVP rows of another policy
-    left out. Rows of
-    another definition or protect mode (stale) are never reported beside current rows of their rule:
-    a rule with current rows loses its stale ones; a rule with none (e.g. a folder made before the
-    rule changed) is reported from its newest stored variant, renamed by `variant_label`."""
+    left out. Rows of another definition or protect mode (stale) are never reported beside current
+    rows of their rule: a rule with current rows loses its stale ones; a rule with none (e.g. a folder
+    made before the rule changed) is reported from its newest stored variant, renamed by
+    `variant_label`."""
     # KVP rows are kept per policy: a later policy's row for the same prompt and budget (e.g. a one-pass
     # run with another --checkpoint) must not hide the current policy's
     newest = {(row_key(r), r.get("checkpoint_sha256") if r["rule"] == "kvp" else None): (i, r)
