@@ -276,6 +276,19 @@ def compact(path: PathLike) -> bool:
         return True
 
 
+def filter_rows(path: PathLike, keep) -> int:
+    """Rewrite a store (plain or .gz, atomically, under the append lock) with only the rows for which
+    keep(row) is true; returns how many rows were dropped."""
+    path = Path(path)
+    with _locked(path):
+        rows = read_rows(path)
+        kept = [r for r in rows if keep(r)]
+        if len(kept) != len(rows):
+            text = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
+            _write_atomic(path, _gzip_member(text) if is_gz(path) else text)
+        return len(rows) - len(kept)
+
+
 def write_csv(path: PathLike, rows: List[Dict], fields: Optional[List[str]] = None) -> None:
     """A CSV of the rows (fields: the given ones, else every key in order of appearance); gzip when
     the name ends in .gz, and then a stale plain copy of the same name is removed."""

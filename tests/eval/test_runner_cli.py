@@ -614,3 +614,34 @@ def test_import_policy_rows_appends_once_and_only_on_the_same_prompts(tmp_path):
     with pytest.raises(RowMismatch):
         mod.rows_to_import(other, into)
     assert mod.main(["--source", str(other), "--into", str(into)]) == 2
+
+
+def test_drop_policy_rows_removes_only_superseded_kvp_rows(tmp_path):
+    """benchmarks/drop_policy_rows.py: a superseded policy's KVP rows leave the .gz store; the reported
+    policy's rows, the baselines and the full cache stay; the reported policy and an unknown prefix are
+    refused without touching the store."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    from kvp_vllm.eval.runner import read_rows
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "drop_policy_rows.py"
+    spec = importlib.util.spec_from_file_location("drop_policy_rows", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    new, old = "ab" * 32, "cd" * 32
+    (tmp_path / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": new}}))
+    rows = [_synthetic("full", i, True) for i in range(2)] + [_synthetic("knorm", i, True) for i in range(2)] + \
+           [_synthetic("kvp", i, True, checkpoint_sha256=sha) for i in range(2) for sha in (new, old)]
+    store = tmp_path / "rows.jsonl.gz"
+    store.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    before = store.read_bytes()
+    assert mod.main(["--folder", str(tmp_path), "--sha256", new[:8]]) == 2
+    assert mod.main(["--folder", str(tmp_path), "--sha256", "ef" * 4]) == 2
+    assert mod.main(["--folder", str(tmp_path), "--sha256", old[:6]]) == 2
+    assert store.read_bytes() == before
+    assert mod.main(["--folder", str(tmp_path), "--sha256", old[:8]]) == 0
+    left = read_rows(store)
+    assert left == [r for r in rows if r.get("checkpoint_sha256") != old]
