@@ -17,6 +17,12 @@ For perplexity tasks it also reports the paired per-sample difference of the log
 KVP minus each baseline's stronger variant (mean ± standard error over the samples), so a small gap can
 be read against the noise of the sample.
 
+--loglik-tasks names question tasks the full cache does not answer at this model size (vt, cwe, fwe at
+2K): accuracy is zero for every rule there, so they stay out of the task average and are compared by
+the teacher-forced log-likelihood of the gold answer instead (`delta_logprob_per_token`: per token,
+against the full cache on the same prompt; higher is better), per task and protocol, with the paired
+per-sample difference KVP minus each baseline's stronger variant.
+
 Writes stronger.md and stronger.json.gz. The folders must have evaluated the same prompts (their
 full-cache rows must agree); only the samples both folders have with every rule and budget count.
 --tasks restricts the report to some tasks (default: every task in the folders), e.g. the needle tasks
@@ -113,10 +119,11 @@ def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, t
     return "\n".join(lines)
 
 
-def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp") -> List[Dict]:
+def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp", tasks=None) -> List[Dict]:
     """Per perplexity cell (length, task, budget) and baseline: KVP's per-sample log-likelihood per token
-    minus the baseline's stronger variant's (positive: KVP better), mean and standard error."""
-    loglik = per_sample_loglik(rows)
+    minus the baseline's stronger variant's (positive: KVP better), mean and standard error. With
+    `tasks`: those question tasks' gold-answer log-likelihood instead (rows and cells of one protocol)."""
+    loglik = per_sample_loglik(rows, tasks)
     out = []
     for c in strong_ppl:
         if c["rule"] in (FULL, kvp):
@@ -128,8 +135,38 @@ def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp
     return out
 
 
-def report(rows: List[Dict]) -> Tuple[str, Dict]:
-    avg = task_average(rows)
+def loglik_sections(rows: List[Dict], agg: List[Dict], tasks: List[str]) -> Tuple[List[str], List[Dict], List[Dict]]:
+    """The --loglik-tasks part of the report: per length, task and protocol, each rule's mean gold-answer
+    log-likelihood per token against the full cache (stronger variant per baseline), and the paired
+    differences KVP minus each baseline."""
+    metric = "delta_logprob_per_token"
+    strong = stronger_cells([a for a in agg if a["task"] in tasks], metric)
+    lines, diffs = [], []
+    for length in sorted({r["length"] for r in rows}):
+        for task in tasks:
+            for protocol in sorted({r["protocol"] for r in rows}):
+                t = stronger_table(strong, metric, length, protocol, task)
+                if not t:
+                    continue
+                lines.append(f"## {task}, {protocol}, {length} tokens: gold-answer log-likelihood per token minus "
+                             f"the full cache's (higher is better; the full cache answers too few to compare "
+                             f"accuracy)\n\n{t}\n")
+                sel = [r for r in rows if r["protocol"] == protocol and r["length"] == length]
+                d = [{**x, "protocol": protocol} for x in paired_differences(
+                    sel, [c for c in strong if (c["protocol"], c["length"], c["task"]) == (protocol, length, task)],
+                    tasks=[task])]
+                diffs += d
+                t = paired_table(d, length, task)
+                if t:
+                    lines.append(f"## {task}, {protocol}, {length} tokens: paired difference of the gold answer's "
+                                 f"log-likelihood per token, KVP minus the baseline's stronger variant (mean ± "
+                                 f"standard error over {max(x['samples'] for x in d)} samples; positive: KVP "
+                                 f"better)\n\n{t}\n")
+    return lines, strong, diffs
+
+
+def report(rows: List[Dict], loglik_tasks: List[str] = ()) -> Tuple[str, Dict]:
+    avg = task_average([r for r in rows if r["task"] not in loglik_tasks])
     agg = aggregate(rows)
     ppl = [a for a in agg if a["task"].startswith("ppl_")]
     strong_acc = stronger_cells(avg, "accuracy")
@@ -156,13 +193,16 @@ def report(rows: List[Dict]) -> Tuple[str, Dict]:
                 lines.append(f"## {task}, {length} tokens: paired difference of the log-likelihood per token, "
                              f"KVP minus the baseline's stronger variant (mean ± standard error over {n} "
                              f"samples; positive: KVP better)\n\n{t}\n")
+    ll_lines, strong_ll, ll_diffs = loglik_sections(rows, agg, list(loglik_tasks)) if loglik_tasks else ([], [], [])
+    lines += ll_lines
     for length in sorted({r["length"] for r in rows}):
         for protocol in sorted({r["protocol"] for r in rows}):
             t = task_average_table(avg, protocol, length)
             if t:
                 lines.append(f"## both variants: task-averaged accuracy, {protocol}, {length} tokens\n\n{t}\n")
     return "\n".join(lines), {"task_average": avg, "stronger_accuracy": strong_acc,
-                              "stronger_perplexity": strong_ppl, "paired_perplexity": diffs, "aggregate": agg}
+                              "stronger_perplexity": strong_ppl, "paired_perplexity": diffs,
+                              "stronger_loglik": strong_ll, "paired_loglik": ll_diffs, "aggregate": agg}
 
 
 def main(argv=None) -> int:
@@ -171,14 +211,22 @@ def main(argv=None) -> int:
     p.add_argument("--none", type=Path, required=True, help="kvp-eval folder run with --protect none")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tasks", default=None, help="comma list: report only these tasks (default: all)")
+    p.add_argument("--loglik-tasks", default="",
+                   help="comma list of question tasks to compare by the gold answer's log-likelihood, not accuracy")
     args = p.parse_args(argv)
     paper, none = folder_rows(args.paper, "paper"), folder_rows(args.none, "none")
+    loglik_tasks = [t.strip() for t in args.loglik_tasks.split(",") if t.strip()]
+    absent = sorted(set(loglik_tasks) - {r["task"] for r in paper if r.get("kind", "qa") == "qa"})
+    if absent:
+        raise SystemExit(f"stronger_variants: --loglik-tasks: no question rows of {', '.join(absent)} in {args.paper}")
     if args.tasks is not None:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         absent = sorted(set(tasks) - {r["task"] for r in paper})
         if not tasks or absent:
             raise SystemExit(f"stronger_variants: --tasks {args.tasks!r}: no rows of {', '.join(absent) or 'any task'}"
                              f" in {args.paper}")
+        if set(loglik_tasks) - set(tasks):
+            raise SystemExit("stronger_variants: every --loglik-tasks task must also be in --tasks")
         paper = [r for r in paper if r["task"] in tasks]
         none = [r for r in none if r["task"] in tasks]
     try:
@@ -187,10 +235,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"stronger_variants: {e}")
     if not rows:
         raise SystemExit("stronger_variants: the folders have no sample in common with every rule and budget")
-    text, data = report(rows)
+    text, data = report(rows, loglik_tasks)
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}"
-           + (f" --tasks {args.tasks}" if args.tasks is not None else ""))
+           + (f" --tasks {args.tasks}" if args.tasks is not None else "")
+           + (f" --loglik-tasks {args.loglik_tasks}" if loglik_tasks else ""))
     (args.out / "stronger.md").write_text(f"# KVP vs the stronger variant of each baseline\n\nCommand: `{cmd}`\n\n"
                                           + text)
     write_json(args.out / "stronger.json.gz", {"paper": str(args.paper), "none": str(args.none), **data})

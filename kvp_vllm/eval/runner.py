@@ -470,11 +470,12 @@ def task_average_table(avg: List[Dict], protocol: str, length: int) -> str:
             + "\n".join(lines))
 
 
-def per_sample_loglik(rows: List[Dict]) -> Dict[Tuple, Dict[int, float]]:
-    """Perplexity rows as (length, task, rule, budget) -> sample index -> log-likelihood per token."""
+def per_sample_loglik(rows: List[Dict], tasks: Optional[Sequence[str]] = None) -> Dict[Tuple, Dict[int, float]]:
+    """Rows of the perplexity tasks (or of `tasks`: the gold answer's teacher-forced log-likelihood; give
+    rows of one protocol) as (length, task, rule, budget) -> sample index -> log-likelihood per token."""
     out: Dict[Tuple, Dict[int, float]] = defaultdict(dict)
     for r in rows:
-        if r["task"].startswith("ppl_") and r.get("gold_tokens"):
+        if (r["task"] in tasks if tasks is not None else r["task"].startswith("ppl_")) and r.get("gold_tokens"):
             out[r["length"], r["task"], r["rule"], r["budget"]][r["index"]] = r["gold_logprob"] / r["gold_tokens"]
     return out
 

@@ -72,6 +72,40 @@ def test_paired_perplexity_difference_is_against_the_stronger_variant():
     assert "| snapkv | +0.033 ± 0.067 |" in SV.paired_table([d], 8192, "ppl_essay")
 
 
+def test_loglik_tasks_compare_the_gold_answer_likelihood_not_accuracy():
+    """A task the full cache does not answer (--loglik-tasks) leaves the accuracy average and is compared
+    per protocol by the gold answer's log-likelihood per token against the full cache, each baseline by
+    its stronger variant, with the paired per-sample difference KVP minus that variant."""
+    def row(task, rule, protocol, i, logprob, correct=False):
+        return {"task": task, "kind": "qa", "length": 2048, "index": i, "protocol": protocol, "rule": rule,
+                "budget": "full" if rule == "full" else "128", "kept": 128, "cache_len": 128, "correct": correct,
+                "recall": float(correct), "same_as_full": False, "gold_logprob": logprob * 4, "gold_tokens": 4}
+
+    # per-token log-likelihoods; vt: nobody answers; niah: accuracy as usual
+    ll = {"full": [-1.0, -1.2, -1.1], "kvp": [-1.5, -1.4, -1.9], "knorm": [-2.0, -2.5, -2.4],
+          "knorm[protect=none]": [-1.8, -1.6, -2.0]}
+    rows = []
+    for protocol, shift in (("query_aware", 0.0), ("query_agnostic", -0.5)):
+        for rule, vals in ll.items():
+            rows += [row("vt", rule, protocol, i, v + (shift if rule == "knorm[protect=none]" else 0.0))
+                     for i, v in enumerate(vals)]
+            rows += [row("niah_single_repeat", rule, protocol, i, -1.0, correct=rule != "knorm") for i in range(3)]
+    text, data = SV.report(rows, ["vt"])
+    assert {(a["tasks"], a["samples"]) for a in data["task_average"]} == {(1, 3)}  # vt left out of the average
+    strong = {(c["protocol"], c["rule"]): c for c in data["stronger_loglik"]}
+    full = ll["full"]
+    aware_none = sum(a - f for a, f in zip(ll["knorm[protect=none]"], full)) / 3
+    assert strong["query_aware", "knorm"]["variant"] == "none"
+    assert strong["query_aware", "knorm"]["delta_logprob_per_token"] == pytest.approx(aware_none)
+    assert strong["query_agnostic", "knorm"]["variant"] == "paper"  # the none variant lost 0.5 nats there
+    d = {(x["protocol"], x["rule"]): x for x in data["paired_loglik"]}
+    kvp_minus_none = [a - b for a, b in zip(ll["kvp"], ll["knorm[protect=none]"])]
+    assert d["query_aware", "knorm"]["mean"] == pytest.approx(sum(kvp_minus_none) / 3)
+    assert d["query_agnostic", "knorm"]["mean"] == pytest.approx(sum(a - b for a, b in zip(ll["kvp"], ll["knorm"])) / 3)
+    assert "## vt, query_aware, 2048 tokens: gold-answer log-likelihood" in text
+    assert f"| knorm | {aware_none:.3f}ᴺ | 0.000 |" in text
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
@@ -110,6 +144,17 @@ def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
              "--tasks", "niah_single_repeat"])
     md = (tmp_path / "needle" / "stronger.md").read_text()
     assert "--tasks niah_single_repeat`" in md and "1 tasks" in md and "ppl_essay" not in md
+    SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "ll"),
+             "--loglik-tasks", "niah_single_repeat"])
+    md = (tmp_path / "ll" / "stronger.md").read_text()
+    assert "--loglik-tasks niah_single_repeat`" in md and "task-averaged accuracy" not in md
+    assert "## niah_single_repeat, query_aware, 256 tokens: gold-answer log-likelihood" in md
+    with pytest.raises(SystemExit, match="must also be in --tasks"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path),
+                 "--tasks", "ppl_essay", "--loglik-tasks", "niah_single_repeat"])
+    with pytest.raises(SystemExit, match="no question rows of ppl_essay"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path),
+                 "--loglik-tasks", "ppl_essay"])
     with pytest.raises(SystemExit, match="no rows of vt"):
         SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path),
                  "--tasks", "niah_single_repeat,vt"])
