@@ -5,7 +5,7 @@ older policy's KVP rows beside the baselines. A kvp-eval folder holds one policy
 recomputed, never mixed), so evaluate the older policy alone in a folder of its own, then merge:
 
   kvp-eval --lengths 4K --rules kvp --checkpoint OLD_POLICY --out benchmarks/results/eval_smollm2_4k_policy_v3 ...
-  python benchmarks/compare_policies.py --base benchmarks/results/eval_smollm2_4k \\
+  python benchmarks/compare_policies.py --base benchmarks/results/eval_smollm2_4k_faithful_protect_paper \\
       --other benchmarks/results/eval_smollm2_4k_policy_v3 --label kvp_v3 \\
       --out benchmarks/results/eval_smollm2_4k_policy_v3/compare
 
