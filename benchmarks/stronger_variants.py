@@ -119,13 +119,13 @@ def stronger_table(cells: List[Dict], metric: str, length: int, protocol: str, t
     return "\n".join(lines)
 
 
-def paired_differences(rows: List[Dict], strong_ppl: List[Dict], kvp: str = "kvp", tasks=None) -> List[Dict]:
+def paired_differences(rows: List[Dict], strong: List[Dict], kvp: str = "kvp", tasks=None) -> List[Dict]:
     """Per perplexity cell (length, task, budget) and baseline: KVP's per-sample log-likelihood per token
     minus the baseline's stronger variant's (positive: KVP better), mean and standard error. With
     `tasks`: those question tasks' gold-answer log-likelihood instead (rows and cells of one protocol)."""
     loglik = per_sample_loglik(rows, tasks)
     out = []
-    for c in strong_ppl:
+    for c in strong:
         if c["rule"] in (FULL, kvp):
             continue
         name = c["rule"] + (NONE_SUFFIX if c["variant"] == "none" else "")
@@ -141,21 +141,24 @@ def loglik_sections(rows: List[Dict], agg: List[Dict], tasks: List[str]) -> Tupl
     differences KVP minus each baseline."""
     metric = "delta_logprob_per_token"
     strong = stronger_cells([a for a in agg if a["task"] in tasks], metric)
-    lines, diffs = [], []
-    for length in sorted({r["length"] for r in rows}):
+    lengths, protocols = sorted({r["length"] for r in rows}), sorted({r["protocol"] for r in rows})
+    diffs = []  # per (length, protocol): per_sample_loglik does not tell protocols apart
+    for length in lengths:
+        for protocol in protocols:
+            sel = [r for r in rows if (r["protocol"], r["length"]) == (protocol, length)]
+            cells = [c for c in strong if (c["protocol"], c["length"]) == (protocol, length)]
+            diffs += [{**x, "protocol": protocol} for x in paired_differences(sel, cells, tasks=tasks)]
+    lines = []
+    for length in lengths:
         for task in tasks:
-            for protocol in sorted({r["protocol"] for r in rows}):
+            for protocol in protocols:
                 t = stronger_table(strong, metric, length, protocol, task)
                 if not t:
                     continue
                 lines.append(f"## {task}, {protocol}, {length} tokens: gold-answer log-likelihood per token minus "
                              f"the full cache's (higher is better; the full cache answers too few to compare "
                              f"accuracy)\n\n{t}\n")
-                sel = [r for r in rows if r["protocol"] == protocol and r["length"] == length]
-                d = [{**x, "protocol": protocol} for x in paired_differences(
-                    sel, [c for c in strong if (c["protocol"], c["length"], c["task"]) == (protocol, length, task)],
-                    tasks=[task])]
-                diffs += d
+                d = [x for x in diffs if (x["protocol"], x["length"], x["task"]) == (protocol, length, task)]
                 t = paired_table(d, length, task)
                 if t:
                     lines.append(f"## {task}, {protocol}, {length} tokens: paired difference of the gold answer's "

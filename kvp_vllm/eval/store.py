@@ -236,9 +236,13 @@ def append_text(path: PathLike, text: str) -> None:
         os.fsync(fd)
 
 
+def _jsonl(rows: Iterable[Dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def append_rows(path: PathLike, rows: Iterable[Dict]) -> None:
     """Append rows as JSON lines (see append_text)."""
-    append_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    append_text(path, _jsonl(rows))
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -284,7 +288,7 @@ def filter_rows(path: PathLike, keep) -> int:
         rows = read_rows(path)
         kept = [r for r in rows if keep(r)]
         if len(kept) != len(rows):
-            text = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
+            text = _jsonl(kept).encode("utf-8")
             _write_atomic(path, _gzip_member(text) if is_gz(path) else text)
         return len(rows) - len(kept)
 

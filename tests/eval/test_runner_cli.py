@@ -579,18 +579,23 @@ def test_budget_parsing_follows_the_protect_mode():
         cli.parse_budgets("8", "paper")
 
 
-def test_import_policy_rows_appends_once_and_only_on_the_same_prompts(tmp_path):
-    """benchmarks/import_policy_rows.py: the source policy's KVP rows are appended to a folder on the
-    same prompts and then reported there; a second run appends nothing; other prompts are refused."""
+def _benchmark_script(name):
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package)."""
     import importlib.util
     from pathlib import Path
 
-    from kvp_vllm.eval.runner import RowMismatch, current_rows, read_rows
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "import_policy_rows.py"
-    spec = importlib.util.spec_from_file_location("import_policy_rows", script)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_import_policy_rows_appends_once_and_only_on_the_same_prompts(tmp_path):
+    """benchmarks/import_policy_rows.py: the source policy's KVP rows are appended to a folder on the
+    same prompts and then reported there; a second run appends nothing; other prompts are refused."""
+    from kvp_vllm.eval.runner import RowMismatch, current_rows, read_rows
+
+    mod = _benchmark_script("import_policy_rows")
 
     def folder(name, sha, rules, prompt_tokens=250):
         d = tmp_path / name
@@ -621,15 +626,10 @@ def test_drop_policy_rows_removes_only_superseded_kvp_rows(tmp_path):
     policy's rows, the baselines and the full cache stay; the reported policy and an unknown prefix are
     refused without touching the store."""
     import gzip
-    import importlib.util
-    from pathlib import Path
 
     from kvp_vllm.eval.runner import read_rows
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "drop_policy_rows.py"
-    spec = importlib.util.spec_from_file_location("drop_policy_rows", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_script("drop_policy_rows")
 
     new, old = "ab" * 32, "cd" * 32
     (tmp_path / "results.json").write_text(json.dumps({"settings": {"checkpoint_weights_sha256": new}}))
