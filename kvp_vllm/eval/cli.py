@@ -7,6 +7,8 @@ once its checkpoint exists):
 
 The folder's raw files are gzip-compressed (rows.jsonl.gz, per_sample.csv.gz, progress.log.gz; read
 them with zcat); a folder from before that keeps its plain rows.jsonl until --compress-store.
+--compress-store xz moves a large finished folder to xz (~30% smaller; read with xzcat; appending and
+resuming work the same).
 
 --protect paper (the default for a new folder) always keeps 4 sink + 16 recent tokens, the KVP paper's
 protocol; --protect none keeps only what each rule chooses (kvpress's behaviour for the baselines). A
@@ -126,10 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default 1: on a shared 2-core machine one thread per process "
                         "was 5-8x faster than two)")
     p.add_argument("--report-only", action="store_true",
-                   help="rewrite results/plots from stored rows and print markdown summary tables")
-    p.add_argument("--compress-store", action="store_true",
-                   help="migrate an older --out folder once: gzip its plain rows.jsonl, per_sample.csv and "
-                        "progress.log (checked to read back) and remove the plain files; nothing else runs")
+                   help="rewrite results/plots from stored rows and print markdown summary tables; "
+                        "only the rows of the given --budgets (and the full cache) are reported, so a "
+                        "folder whose new budgets are still being computed keeps reporting its finished ones")
+    p.add_argument("--compress-store", nargs="?", const="gz", choices=("gz", "xz"), default=None,
+                   help="migrate an --out folder once: compress its rows.jsonl, per_sample.csv and "
+                        "progress.log with gzip (default) or xz (~30%% smaller, for large finished stores), "
+                        "from plain or the other codec (checked to read back), and remove the old files; "
+                        "nothing else runs")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -147,13 +153,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.out or not Path(args.out).is_dir():
             fail("--compress-store needs --out FOLDER (an existing result folder)")
         try:
-            done = compress_folder(args.out)
+            done = compress_folder(args.out, to="." + args.compress_store)
         except MixedStore as e:
             fail(str(e))
         for name, before, after in done:
-            print(f"{args.out}/{name}.gz: {before} -> {after} bytes", file=sys.stderr)
+            print(f"{args.out}/{name}: {before} -> {after} bytes", file=sys.stderr)
         if not done:
-            print(f"{args.out}: no plain raw file to compress", file=sys.stderr)
+            print(f"{args.out}: no raw file to compress with {args.compress_store}", file=sys.stderr)
         return 0
     from .runner import parse_shard, stored_identity
 
@@ -238,9 +244,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dataclasses import replace
 
         from .plots import plot_all
-        from .runner import markdown_summary, needle_table, task_average_table
+        from .runner import FULL, budget_label, markdown_summary, needle_table, task_average_table
         from .store import MixedStore
 
+        labels = {budget_label(b) for b in budgets}
         for mode, folder in zip(modes, outs):
             try:
                 rows = current_rows(read_rows(folder / "rows.jsonl"), checkpoint_sha256(checkpoint),  # or .gz
@@ -249,6 +256,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 fail(str(e))
             if not rows:
                 fail(f"no stored rows in {folder}")
+            rows = [r for r in rows if r["rule"] == FULL or r["budget"] in labels]
+            if not any(r["rule"] != FULL for r in rows):
+                fail(f"no stored rows of budgets {args.budgets} in {folder}")
             res = write_outputs(folder, replace(cfg, protect=mode), rows, {"report_only": True})
             plot_all(res["aggregate"], folder, res["task_average"])
             if len(outs) > 1:

@@ -124,6 +124,23 @@ def test_a_plain_rows_jsonl_folder_keeps_its_store(tmp_path, small_model, tokeni
         run(_one_task_cfg(2), small_model, tokenizer, tmp_path, progress=False, plots=False)
 
 
+def test_a_folder_moved_to_xz_resumes_in_xz(tmp_path, small_model, tokenizer):
+    """kvp-eval --compress-store xz on a finished folder: a later run appends to rows.jsonl.xz and
+    progress.log.xz (one store of each name, compacted at the end) and reports every row."""
+    run(_one_task_cfg(1), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    before = read_rows(tmp_path / "rows.jsonl.gz")
+    assert cli.main(["--compress-store", "xz", "--out", str(tmp_path)]) == 0
+    assert read_rows(tmp_path / "rows.jsonl.xz") == before and not (tmp_path / "rows.jsonl.gz").exists()
+    res = run(_one_task_cfg(2), small_model, tokenizer, tmp_path, progress=False, plots=False)
+    assert res["measured"]["this_invocation"]["samples_computed"] == 1
+    assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2}
+    rows = read_rows(tmp_path / "rows.jsonl.xz")
+    assert rows[:2] == before and len(rows) == 4
+    assert _scan((tmp_path / "rows.jsonl.xz").read_bytes(), c=".xz").members == 1  # compacted
+    assert not (tmp_path / "rows.jsonl.gz").exists() and not (tmp_path / "progress.log.gz").exists()
+    assert len(read_bytes(tmp_path / "progress.log.xz").decode().splitlines()) == 2
+
+
 def test_parallel_runs_on_disjoint_tasks_share_one_folder(tmp_path, small_model, tokenizer):
     """Two runs with disjoint --tasks write one folder at the same time; nothing is lost and the
     results of whichever finishes last report both."""
@@ -490,6 +507,31 @@ def test_report_only_labels_a_legacy_folder_by_its_old_definitions(tmp_path, cap
     assert res["measured"]["samples_per_task_all_rules"] == {"niah_single_repeat/256": 2}
     assert res["measured"]["stale_variants_reported"] == ["snapkv@v1"]
     assert res["settings"]["protect"] == "paper"
+
+
+def test_report_only_reports_the_given_budgets_while_a_new_budget_is_partial(tmp_path, capsys):
+    """A budget being added to a finished folder has rows for some samples only: reported, it would cut
+    every table to those samples (a sample counts only with every rule and budget); --report-only
+    with the finished budgets keeps reporting all of them."""
+    rows = [_synthetic("full", i, True) for i in range(3)] + \
+           [_synthetic("knorm", i, i < 2, budget="128") for i in range(3)] + \
+           [_synthetic("knorm", 0, False, budget="64")]  # budget 64: sample 0 only, so far
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.json").write_text(json.dumps({"identity": {"model": "smollm2", "seed": 0, "window": 64}}))
+    args = ["--report-only", "--lengths", "256", "--tasks", "niah_single_repeat", "--rules", "knorm",
+            "--checkpoint", "", "--out", str(tmp_path)]
+
+    def reported(budgets):
+        assert cli.main(args + ["--budgets", budgets]) == 0
+        capsys.readouterr()
+        return {a["budget"]: (int(a["n"]), round(float(a["accuracy"]), 3))
+                for a in read_csv(tmp_path / "aggregate.csv") if a["rule"] == "knorm"}
+
+    assert reported("64,128") == {"64": (1, 0.0), "128": (1, 1.0)}  # every budget: sample 0 alone
+    assert reported("128") == {"128": (3, 0.667)}  # the finished budget: all three samples
+    with pytest.raises(SystemExit):
+        cli.main(args + ["--budgets", "256"])
+    assert "no stored rows of budgets 256" in capsys.readouterr().err
 
 
 def test_one_pass_fills_a_folder_per_protect_mode(tmp_path, small_model, tokenizer, capsys):

@@ -1,8 +1,9 @@
-"""Result-folder files: the gzip rows store (append, resume after a cut write, compaction), the plain
-store of older folders, and the readers that take either name. No model: fast."""
+"""Result-folder files: the gzip and xz rows stores (append, resume after a cut write, compaction), the
+plain store of older folders, and the readers that take any of the names. No model: fast."""
 
 import gzip
 import json
+import lzma
 import threading
 
 import pytest
@@ -11,6 +12,10 @@ from kvp_vllm.eval import cli
 from kvp_vllm.eval.store import (MixedStore, StoreDamaged, _scan, append_rows, compact, compress_folder,
                                  find, open_text, read_bytes, read_csv, read_rows, store_path, write_csv,
                                  dumps_readable, write_json)
+
+
+# both compressed codecs: (suffix, a decompressor of every member / stream)
+CODECS = pytest.mark.parametrize("suffix,decompress", [(".gz", gzip.decompress), (".xz", lzma.decompress)])
 
 
 def rows(start, n):
@@ -22,16 +27,17 @@ def text(rs):
     return "".join(json.dumps(r) + "\n" for r in rs).encode()
 
 
-def test_gz_store_appends_members_that_read_as_one_stream(tmp_path):
-    path = tmp_path / "rows.jsonl.gz"
+@CODECS
+def test_compressed_store_appends_members_that_read_as_one_stream(tmp_path, suffix, decompress):
+    path = tmp_path / f"rows.jsonl{suffix}"
     for k in range(3):
         append_rows(path, rows(10 * k, 10))
     want = rows(0, 10) + rows(10, 10) + rows(20, 10)
     assert read_rows(path) == want
-    assert read_rows(tmp_path / "rows.jsonl") == want  # the plain name finds the .gz
-    assert gzip.decompress(path.read_bytes()) == text(want)  # plain gzip reads all members
-    assert _scan(path.read_bytes()).members == 3
-    assert compact(path) and _scan(path.read_bytes()).members == 1
+    assert read_rows(tmp_path / "rows.jsonl") == want  # the plain name finds the compressed store
+    assert decompress(path.read_bytes()) == text(want)  # plain gzip / lzma reads all members
+    assert _scan(path.read_bytes(), c=suffix).members == 3
+    assert compact(path) and _scan(path.read_bytes(), c=suffix).members == 1
     assert read_rows(path) == want and not compact(path)  # one member: nothing to do
     assert read_rows(tmp_path / "missing.jsonl") == []
 
@@ -40,16 +46,17 @@ def _cut_points(size, start):
     return sorted({start + 1, start + 5, start + 12, *range(start + 20, size, 37), size - 9, size - 1})
 
 
-def test_a_cut_gzip_member_reads_like_a_cut_plain_line_and_the_next_append_survives(tmp_path):
+@CODECS
+def test_a_cut_member_reads_like_a_cut_plain_line_and_the_next_append_survives(tmp_path, suffix, decompress):
     """A write cut short: every complete row stays, the partial one is dropped, and rows appended
-    afterwards read back - the same for the .gz store and the plain store of older folders."""
-    src = tmp_path / "whole.jsonl.gz"
+    afterwards read back - the same for a .gz / .xz store and the plain store of older folders."""
+    src = tmp_path / f"whole.jsonl{suffix}"
     append_rows(src, rows(0, 5))
     first_member = src.stat().st_size
     append_rows(src, rows(5, 40))
     data, full_text = src.read_bytes(), text(rows(0, 45))
     for cut in _cut_points(len(data), first_member):
-        gz = tmp_path / f"cut{cut}" / "rows.jsonl.gz"
+        gz = tmp_path / f"cut{cut}" / f"rows.jsonl{suffix}"
         gz.parent.mkdir()
         gz.write_bytes(data[:cut])
         got = read_bytes(gz)
@@ -62,7 +69,7 @@ def test_a_cut_gzip_member_reads_like_a_cut_plain_line_and_the_next_append_survi
         append_rows(gz, rows(100, 3))
         append_rows(plain, rows(100, 3))
         assert read_rows(gz) == read_rows(plain) == kept + rows(100, 3)
-        assert gzip.decompress(gz.read_bytes())  # repaired: a valid gzip file again
+        assert decompress(gz.read_bytes())  # repaired: a valid gzip / xz file again
 
 
 def test_plain_store_cut_mid_line_keeps_the_next_rows(tmp_path):
@@ -73,16 +80,17 @@ def test_plain_store_cut_mid_line_keeps_the_next_rows(tmp_path):
     assert read_rows(plain) == rows(0, 2) + rows(3, 2)  # the new first row is not fused with the cut one
 
 
-def test_zero_filled_tail_is_cut_and_corruption_before_the_end_is_not_repaired(tmp_path):
-    path = tmp_path / "rows.jsonl.gz"
+@CODECS
+def test_zero_filled_tail_is_cut_and_corruption_before_the_end_is_not_repaired(tmp_path, suffix, decompress):
+    path = tmp_path / f"rows.jsonl{suffix}"
     append_rows(path, rows(0, 4))
     with open(path, "ab") as f:
         f.write(b"\0" * 300)
     assert read_rows(path) == rows(0, 4)
     append_rows(path, rows(4, 1))
-    assert read_rows(path) == rows(0, 5) and gzip.decompress(path.read_bytes()) == text(rows(0, 5))
+    assert read_rows(path) == rows(0, 5) and decompress(path.read_bytes()) == text(rows(0, 5))
 
-    bad = tmp_path / "bad" / "rows.jsonl.gz"
+    bad = tmp_path / "bad" / f"rows.jsonl{suffix}"
     bad.parent.mkdir()
     append_rows(bad, rows(0, 50))
     append_rows(bad, rows(50, 50))
@@ -106,6 +114,13 @@ def test_one_store_per_name(tmp_path):
     for call in (lambda: store_path(tmp_path), lambda: read_rows(tmp_path / "rows.jsonl")):
         with pytest.raises(MixedStore, match="both rows.jsonl and rows.jsonl.gz"):
             call()
+    (tmp_path / "rows.jsonl").unlink()
+    (tmp_path / "rows.jsonl.xz").write_bytes(lzma.compress(b"{}\n"))
+    with pytest.raises(MixedStore, match="both rows.jsonl.gz and rows.jsonl.xz"):
+        read_rows(tmp_path / "rows.jsonl.xz")
+    (tmp_path / "rows.jsonl.gz").unlink()
+    assert store_path(tmp_path) == tmp_path / "rows.jsonl.xz"  # a folder moved to xz: appended as xz
+    assert read_rows(tmp_path / "rows.jsonl") == [{}]
 
 
 def test_csv_gz_and_open_text(tmp_path):
@@ -149,6 +164,21 @@ def test_compress_folder_migrates_once_and_reads_back(tmp_path, capsys):
     assert gzip.decompress((tmp_path / "rows.jsonl.gz").read_bytes()) == text(rows(0, 20)) + b'{"cut'
     assert read_rows(tmp_path / "rows.jsonl") == rows(0, 20)
     assert compress_folder(tmp_path) == []  # nothing left to migrate
+
+    # gz -> xz (a large finished folder): the same content, smaller; and back
+    assert cli.main(["--compress-store", "xz", "--out", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["aggregate.csv", "per_sample.csv.xz", "progress.log.xz", "rows.jsonl.xz"]
+    assert lzma.decompress((tmp_path / "rows.jsonl.xz").read_bytes()) == text(rows(0, 20)) + b'{"cut'
+    assert read_rows(tmp_path / "rows.jsonl") == rows(0, 20) and read_csv(tmp_path / "per_sample.csv")
+    append_rows(store_path(tmp_path), rows(20, 2))  # resuming appends to the xz store
+    assert read_rows(tmp_path / "rows.jsonl.xz") == rows(0, 22)  # not fused with the cut line
+    assert compress_folder(tmp_path, to=".xz") == []
+    assert [n for n, _, _ in compress_folder(tmp_path, to=".gz")] == ["rows.jsonl.gz", "progress.log.gz",
+                                                                     "per_sample.csv.gz"]
+    assert read_rows(tmp_path / "rows.jsonl") == rows(0, 22)
+    with pytest.raises(ValueError, match="unknown codec"):
+        compress_folder(tmp_path, to=".bz2")
     (tmp_path / "rows.jsonl").write_text("{}\n")
     with pytest.raises(MixedStore):
         compress_folder(tmp_path)
