@@ -27,7 +27,9 @@ Writes stronger.md and stronger.json.gz. The folders must have evaluated the sam
 full-cache rows must agree); only the samples both folders have with every rule and budget count.
 --tasks restricts the report to some tasks (default: every task in the folders), e.g. the needle tasks
 the full cache solves while the folders also hold tasks it does not (vt, cwe, fwe at 2K), which would
-otherwise enter the task average.
+otherwise enter the task average. --budgets restricts it to some budgets (default: every budget in the
+folders), e.g. the finished ones while a budget added later has rows for some samples only (a sample
+counts only with every rule and budget, so a partial budget would shrink every table).
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--none", type=Path, required=True, help="kvp-eval folder run with --protect none")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tasks", default=None, help="comma list: report only these tasks (default: all)")
+    p.add_argument("--budgets", default=None, help="comma list: report only these budgets (default: all)")
     p.add_argument("--loglik-tasks", default="",
                    help="comma list of question tasks to compare by the gold answer's log-likelihood, not accuracy")
     args = p.parse_args(argv)
@@ -232,6 +235,14 @@ def main(argv=None) -> int:
             raise SystemExit("stronger_variants: every --loglik-tasks task must also be in --tasks")
         paper = [r for r in paper if r["task"] in tasks]
         none = [r for r in none if r["task"] in tasks]
+    if args.budgets is not None:
+        budgets = {b.strip() for b in args.budgets.split(",") if b.strip()}
+        absent = sorted(budgets - {r["budget"] for r in paper})
+        if not budgets or absent:
+            raise SystemExit(f"stronger_variants: --budgets {args.budgets!r}: no rows of budget "
+                             f"{', '.join(absent) or 'any'} in {args.paper}")
+        paper = [r for r in paper if r["rule"] == FULL or r["budget"] in budgets]
+        none = [r for r in none if r["rule"] == FULL or r["budget"] in budgets]
     try:
         rows = merged_rows(paper, none)
     except (RowMismatch, ValueError) as e:
@@ -242,6 +253,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = (f"python benchmarks/stronger_variants.py --paper {args.paper} --none {args.none} --out {args.out}"
            + (f" --tasks {args.tasks}" if args.tasks is not None else "")
+           + (f" --budgets {args.budgets}" if args.budgets is not None else "")
            + (f" --loglik-tasks {args.loglik_tasks}" if loglik_tasks else ""))
     (args.out / "stronger.md").write_text(f"# KVP vs the stronger variant of each baseline\n\nCommand: `{cmd}`\n\n"
                                           + text)

@@ -128,7 +128,7 @@ def small_model(tokenizer):
 
 def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
     def cfg(protect, seed=0):
-        return EvalConfig(tasks=["niah_single_repeat", "ppl_essay"], lengths=[256], samples=1, budgets=[32],
+        return EvalConfig(tasks=["niah_single_repeat", "ppl_essay"], lengths=[256], samples=1, budgets=[32, 64],
                           rules=["knorm", "streaming"], protocols=["query_aware"], protect=protect, seed=seed)
 
     run(cfg("paper"), small_model, tokenizer, tmp_path / "paper", progress=False, plots=False)
@@ -136,6 +136,14 @@ def test_two_folders_end_to_end(tmp_path, small_model, tokenizer, capsys):
     SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "stronger.md").read_text()
     assert "stronger variant" in md and "knorm[protect=none]" in md and "ppl_essay perplexity" in md
+    assert "| b=32 | b=64 |" in md
+    SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path / "b32"),
+             "--budgets", "32"])
+    md32 = (tmp_path / "b32" / "stronger.md").read_text()
+    assert "--budgets 32`" in md32 and "| b=32 | full |" in md32 and "b=64" not in md32
+    with pytest.raises(SystemExit, match="no rows of budget 128"):
+        SV.main(["--paper", str(tmp_path / "paper"), "--none", str(tmp_path / "none"), "--out", str(tmp_path),
+                 "--budgets", "32,128"])
     assert "ppl_essay, 256 tokens: paired difference" not in md  # one sample: no standard error, no table
     assert read_bytes(tmp_path / "out" / "stronger.json.gz").startswith(b'{"paper": ')  # gzip, read back
     with pytest.raises(SystemExit, match="not a --protect none folder"):
