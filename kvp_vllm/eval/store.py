@@ -73,9 +73,9 @@ def find(path: PathLike) -> Optional[Path]:
     there = [p for p in _names(path) if p.exists()]
     if len(there) > 1:
         a, b = there[0].name, there[1].name
-        raise MixedStore(f"both {a} and {b} are in {there[0].parent}: merge them into one "
-                         f"(e.g. `kvp-eval --compress-store` after removing the stale one) "
-                         f"or remove the stale one")
+        raise MixedStore(f"both {a} and {b} are in {there[0].parent}: a folder holds one store of a name; "
+                         f"merge their lines into one of them (e.g. `cat`, `zcat`, `xzcat` of both, "
+                         f"compressed again) or remove the stale one")
     return there[0] if there else None
 
 
