@@ -244,9 +244,10 @@ def append_text(path: PathLike, text: str) -> None:
     crash is dropped first (a cut member's complete lines are kept), so what is appended reads back."""
     path = Path(path)
     data = text.encode("utf-8")
+    c = codec(path)
     with _locked(path) as fd:
-        if codec(path):
-            data = _compress(_repair_tail(fd, path) + data, codec(path))
+        if c:
+            data = _compress(_repair_tail(fd, path) + data, c)
         else:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -285,17 +286,17 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def compact(path: PathLike) -> bool:
     """Rewrite a compressed store of several members as one (atomically; the content is unchanged, a
     cut tail's partial line dropped). False when there was nothing to do."""
-    path = Path(path)
-    if not codec(path) or not path.exists():
+    path, c = Path(path), codec(path)
+    if not c or not path.exists():
         return False
     with _locked(path) as fd:
         data = path.read_bytes()
-        s = _scan(data, c=codec(path))
+        s = _scan(data, c=c)
         if s.damage == "corrupt":
             return False  # left for the next append to report
         if s.members <= 1 and s.damage is None:
             return False
-        _write_atomic(path, _compress(s.text + _complete_lines(s.tail), codec(path)))
+        _write_atomic(path, _compress(s.text + _complete_lines(s.tail), c))
         return True
 
 
@@ -308,7 +309,8 @@ def filter_rows(path: PathLike, keep) -> int:
         kept = [r for r in rows if keep(r)]
         if len(kept) != len(rows):
             text = _jsonl(kept).encode("utf-8")
-            _write_atomic(path, _compress(text, codec(path)) if codec(path) else text)
+            c = codec(path)
+            _write_atomic(path, _compress(text, c) if c else text)
         return len(rows) - len(kept)
 
 
@@ -373,7 +375,7 @@ def compress_folder(folder: PathLike, names: Iterable[str] = RAW_FILES,
         old = find(folder / name)  # MixedStore if two of its names exist
         if old is None or codec(old) == to:
             continue
-        new = _names(folder / name)[1 + CODECS.index(to)]
+        new = folder / (name + to)
         with _locked(old):  # migrate between runs: a run appending meanwhile would start a new store
             data = read_bytes(old)
             packed = _compress(data, to)
